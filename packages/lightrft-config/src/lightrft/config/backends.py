@@ -1,0 +1,35 @@
+"""Names of training backends, known without importing any of them.
+
+The strategy package maps these names to classes; this module only knows the names,
+so a configuration can be validated on a machine with no torch.
+"""
+
+from __future__ import annotations
+
+from importlib.metadata import entry_points
+
+#: The entry-point group third-party backends register under.
+ENTRY_POINT_GROUP = "lightrft.strategies"
+
+#: Backends that ship with lightrft-strategy (and lightrft-testing for ``fake``).
+BUILTIN_BACKENDS: tuple[str, ...] = ("deepspeed", "fsdp2", "fake")
+
+#: Other spellings accepted for a built-in backend.
+BACKEND_ALIASES: dict[str, str] = {"fsdp": "fsdp2", "ds": "deepspeed"}
+
+
+def registered_backend_names() -> tuple[str, ...]:
+    """Names registered by installed distributions under :data:`ENTRY_POINT_GROUP`."""
+    return tuple(sorted({ep.name for ep in entry_points(group=ENTRY_POINT_GROUP)}))
+
+
+def known_backend_names() -> tuple[str, ...]:
+    """Every backend name a configuration may select: built-ins, then registered ones."""
+    registered = [n for n in registered_backend_names() if n not in BUILTIN_BACKENDS]
+    return (*BUILTIN_BACKENDS, *registered)
+
+
+def canonical_backend_name(name: str) -> str:
+    """``name`` with aliases resolved and case folded (``"FSDP"`` -> ``"fsdp2"``)."""
+    folded = name.strip().lower()
+    return BACKEND_ALIASES.get(folded, folded)

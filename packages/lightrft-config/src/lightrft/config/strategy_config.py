@@ -1,0 +1,496 @@
+"""`StrategyConfig`: every setting a LightRFT training strategy reads, typed and checked.
+
+Field names and defaults are upstream LightRFT's, so an existing argparse namespace
+converts unchanged; fields upstream lacked are marked "(new)" in their descriptions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Annotated, Any, ClassVar, Literal
+
+from pydantic import (
+    AllowInfNan,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+from pydantic_core import PydanticCustomError
+
+from lightrft.config import sources, summary
+from lightrft.config.backends import canonical_backend_name, known_backend_names
+from lightrft.config.errors import ConfigError, ConfigProblem, from_validation_error
+from lightrft.config.spelling import one_edit_away
+
+logger = logging.getLogger("lightrft.config")
+
+
+def _not_bool(value: Any) -> Any:
+    # pydantic's lax mode reads True as 1; for a size or a rate that is always a mistake.
+    if isinstance(value, bool):
+        raise PydanticCustomError("bool_not_number", "a boolean is not accepted as a number")
+    return value
+
+
+_TRUE = {"true", "1", "yes", "on"}
+_FALSE = {"false", "0", "no", "off", ""}
+
+
+def _flag_or_path(value: Any) -> Any:
+    # Upstream stores either a flag or a path in these fields (argparse gives a path or None).
+    if value is None:
+        return False
+    if isinstance(value, str) and value.strip().lower() in _TRUE | _FALSE:
+        return value.strip().lower() in _TRUE
+    if isinstance(value, Path):
+        return str(value)
+    return value
+
+
+Int = Annotated[int, BeforeValidator(_not_bool)]
+Float = Annotated[float, BeforeValidator(_not_bool), AllowInfNan(False)]
+Beta = Annotated[float, BeforeValidator(_not_bool), Field(ge=0.0, lt=1.0)]
+FlagOrPath = Annotated[bool | str, BeforeValidator(_flag_or_path)]
+
+
+def _cross_field(messages: list[str]) -> PydanticCustomError:
+    # One pydantic error carrying every message; errors.py lists them one by one.
+    return PydanticCustomError(
+        "lightrft_cross_field", "{joined}", {"joined": "; ".join(messages), "items": messages}
+    )
+
+
+class StrategyConfig(BaseModel):
+    """Configuration of a LightRFT training strategy.
+
+    Build it directly (unknown keyword names are an error), or leniently from an
+    argparse namespace, a mapping or any object with :meth:`from_args` (unknown names
+    go to ``extra_args``), or layered from a file, the environment and command-line
+    flags with :meth:`load` / :meth:`from_argv`.
+    """
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=False)
+
+    # -- basic ---------------------------------------------------------------------
+    seed: Int = Field(42, ge=0, lt=2**32, description="Random seed for python, numpy and torch.")
+    max_norm: Float = Field(
+        1.0, description="Global gradient-norm clipping threshold; a value <= 0 disables clipping."
+    )
+    micro_train_batch_size: Int = Field(1, gt=0, description="Samples per rank per forward pass.")
+    train_batch_size: Int = Field(
+        128, gt=0, description="Samples per optimizer step over all ranks (global batch)."
+    )
+    bf16: bool = Field(True, description="Train in bfloat16 mixed precision.")
+
+    # -- DeepSpeed / FSDP ----------------------------------------------------------
+    zero_stage: Int = Field(2, ge=0, le=3, description="DeepSpeed ZeRO stage.")
+    fsdp: bool = Field(False, description="Use the FSDP2 backend (upstream switch; see backend).")
+    fsdp_cpu_offload: bool = Field(False, description="FSDP2: offload parameters to CPU.")
+
+    # -- distributed ---------------------------------------------------------------
+    adam_offload: bool = Field(False, description="Keep optimizer state on the CPU.")
+    zpg: Int = Field(1, gt=0, description="DeepSpeed ZeRO++ hierarchical partition size.")
+    grad_accum_dtype: Literal["fp32", "bf16", "fp16"] | None = Field(
+        None, description="Dtype of gradient accumulation buffers (None: the backend default)."
+    )
+    overlap_comm: bool = Field(False, description="Overlap gradient reduction with backward.")
+
+    # -- engine / parallel ---------------------------------------------------------
+    engine_type: Literal["vllm", "sglang", "hf"] = Field(
+        "vllm", description="Inference engine used for rollouts."
+    )
+    engine_tp_size: Int = Field(1, gt=0, description="Tensor-parallel size of the engine.")
+    enable_engine_sleep: bool = Field(
+        False, description="Let the engine release memory (sleep) between rollouts."
+    )
+    local_rank: Int = Field(-1, ge=-1, description="Local rank (-1: read from the environment).")
+    sp_size: Int = Field(1, gt=0, description="Sequence-parallel size.")
+
+    # -- optimiser -----------------------------------------------------------------
+    actor_learning_rate: Float = Field(1e-5, gt=0, description="Actor learning rate.")
+    critic_learning_rate: Float = Field(1e-5, gt=0, description="Critic learning rate.")
+    adam_betas: tuple[Beta, Beta] = Field(
+        (0.9, 0.95),
+        description="Adam (beta1, beta2).",
+        json_schema_extra={"accepted": "a pair of numbers, each >= 0 and < 1"},
+    )
+    l2: Float = Field(0.0, ge=0, description="Weight decay.")
+    lr_warmup_ratio: Float = Field(
+        0.03, ge=0, le=1, description="Fraction of steps spent warming up the learning rate."
+    )
+
+    # -- control -------------------------------------------------------------------
+    critic_pretrain: FlagOrPath = Field(
+        False, description="Critic initialisation: a flag or, as upstream, a model path."
+    )
+    remote_rm_url: str | None = Field(None, description="URL of a remote reward model.")
+    pretrain_data: str | None = Field(None, description="Pretraining data mixed into training.")
+    fused_linear_logprob: bool = Field(False, description="Fused linear + log-prob kernel.")
+
+    # -- reward / advantage --------------------------------------------------------
+    reward_running_norm: bool = Field(False, description="Normalise rewards by running stats.")
+    reward_running_norm_minus_mean: bool = Field(
+        False, description="Also subtract the running mean when normalising rewards."
+    )
+    advantages_norm: bool = Field(False, description="Whiten advantages.")
+    advantage_clip: Float = Field(0.0, ge=0, description="Clip advantages to +-value (0: off).")
+    reward_clip: Float = Field(0.0, ge=0, description="Clip rewards to +-value (0: off).")
+
+    # -- rollout -------------------------------------------------------------------
+    micro_rollout_batch_size: Int = Field(2, gt=0, description="Prompts per rollout micro-batch.")
+    n_samples_per_prompt: Int = Field(8, gt=0, description="Samples generated per prompt.")
+    overlong_buffer: bool = Field(False, description="Penalise responses near the length limit.")
+    overlong_buffer_len: Int = Field(1024, ge=0, description="Tokens of the overlong buffer.")
+    overlong_buffer_penalty_factor: Float = Field(
+        1.0, ge=0, description="Penalty factor of the overlong buffer."
+    )
+    dynamic_sampling: bool = Field(False, description="Drop groups with identical rewards.")
+    advantage_estimator: str = Field(
+        "group_norm", min_length=1, description="Advantage estimator name (e.g. group_norm, gae)."
+    )
+    use_kl_loss: bool = Field(False, description="Add a KL term to the loss.")
+    kl_estimator: str = Field("k3", min_length=1, description="KL estimator name (k1, k2, k3).")
+
+    # -- FSDP extra / monitoring ---------------------------------------------------
+    mixed_mm_data: bool = Field(False, description="Batches mix text-only and multimodal data.")
+    use_mp_opt: bool = Field(False, description="Mixed-precision optimizer (FSDP).")
+    plot_every: Int = Field(
+        -1,
+        ge=-1,
+        description="Plot metrics every N steps (-1: never).",
+        json_schema_extra={"accepted": "-1 (never) or an integer >= 1"},
+    )
+    use_tensorboard: FlagOrPath = Field(
+        False, description="Log to TensorBoard: a flag or, as upstream, a log directory."
+    )
+
+    # -- new: backend and device ---------------------------------------------------
+    backend: str | None = Field(
+        None,
+        description="(new) Training backend: deepspeed, fsdp2 (alias fsdp), fake or a registered "
+        "third-party name; None chooses by `fsdp` as upstream did.",
+        json_schema_extra={"accepted": "null or a known backend name"},
+    )
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        "auto", description="(new) Device: auto picks cuda when available, else cpu."
+    )
+
+    # -- new: engine options upstream read from raw args -----------------------------
+    engine_mem_util: Float = Field(
+        0.5, gt=0, le=1, description="(new) Fraction of accelerator memory the engine may use."
+    )
+    engine_max_model_len: Int | None = Field(
+        None,
+        gt=0,
+        description="(new) Engine context length in tokens (None: the model's own).",
+        json_schema_extra={"accepted": "null or an integer > 0"},
+    )
+    engine_sleep_level: Int | None = Field(
+        None,
+        ge=1,
+        le=2,
+        description="(new) Sleep level: 1 offloads weights, 2 discards them (needs a resync). "
+        "Requires enable_engine_sleep; None means 1 when sleep is enabled.",
+        json_schema_extra={"accepted": "null, 1 or 2"},
+    )
+
+    # -- new: checkpoints ----------------------------------------------------------
+    max_ckpt_num: Int = Field(3, gt=0, description="(new) Checkpoints kept by rotation.")
+    max_ckpt_mem: Float = Field(
+        1e8,
+        gt=0,
+        description="(new) Total size of kept checkpoints, in GiB (2**30 bytes); the newest "
+        "checkpoint is never deleted.",
+    )
+
+    # -- everything from_args did not recognise ---------------------------------------
+    extra_args: dict[str, Any] = Field(
+        default_factory=dict, description="Names from_args did not recognise, with their values."
+    )
+
+    _summary_logged: bool = PrivateAttr(default=False)
+
+    #: The environment-variable prefix read by :meth:`from_env` and :meth:`load`.
+    ENV_PREFIX: ClassVar[str] = "LIGHTRFT_"
+
+    # -- validation ------------------------------------------------------------------
+    def __init__(self, **data: Any) -> None:
+        try:
+            super().__init__(**data)
+        except ValidationError as exc:
+            raise from_validation_error(exc, type(self), data) from None
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        try:
+            super().__setattr__(name, value)
+        except ValidationError as exc:
+            raise from_validation_error(exc, type(self), {name: value}) from None
+
+    @field_validator("plot_every")
+    @classmethod
+    def _plot_every_not_zero(cls, value: int) -> int:
+        if value == 0:
+            raise PydanticCustomError("plot_every_zero", "0 would plot at no step")
+        return value
+
+    @field_validator("backend")
+    @classmethod
+    def _known_backend(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
+        name = canonical_backend_name(value)
+        if name not in known_backend_names():
+            raise PydanticCustomError(
+                "unknown_backend",
+                "unknown backend; choose one of {choices} (third-party backends register "
+                "under the 'lightrft.strategies' entry-point group)",
+                {"choices": ", ".join(known_backend_names())},
+            )
+        return name
+
+    @model_validator(mode="before")
+    @classmethod
+    def _backend_implies_fsdp(cls, data: Any) -> Any:
+        # Upstream code reads `config.fsdp`; keep it true when FSDP2 is chosen by name.
+        # An argparse namespace always carries fsdp=False when the flag was not given,
+        # so an explicit backend name wins over a false `fsdp`.
+        if isinstance(data, dict) and isinstance(data.get("backend"), str):
+            if canonical_backend_name(data["backend"]) == "fsdp2":
+                data = {**data, "fsdp": True}
+        return data
+
+    @model_validator(mode="after")
+    def _check_cross_field(self) -> StrategyConfig:
+        problems: list[str] = []
+        micro, total = self.micro_train_batch_size, self.train_batch_size
+        if total % micro:
+            lower, upper = total - total % micro, total - total % micro + micro
+            nearest = f"{lower} or {upper}" if lower else str(upper)
+            problems.append(
+                f"train_batch_size={total} is not a multiple of micro_train_batch_size={micro}; "
+                f"set train_batch_size to {nearest}, or change micro_train_batch_size"
+            )
+        if self.backend == "deepspeed" and self.fsdp:
+            problems.append(
+                "backend='deepspeed' contradicts fsdp=True; drop one of them "
+                "(backend takes a name, fsdp is the upstream switch)"
+            )
+        if self.backend == "fsdp2" and not self.fsdp:  # reachable by assignment only
+            problems.append("backend='fsdp2' contradicts fsdp=False; set fsdp=True as well")
+        if self.engine_sleep_level is not None and not self.enable_engine_sleep:
+            problems.append(
+                f"engine_sleep_level={self.engine_sleep_level} needs enable_engine_sleep=True; "
+                "enable sleep or leave engine_sleep_level unset"
+            )
+        if problems:
+            raise _cross_field(problems)
+        return self
+
+    # -- derived values ----------------------------------------------------------------
+    @property
+    def resolved_backend(self) -> str:
+        """The backend to build: ``backend`` if set, else ``fsdp2``/``deepspeed`` by ``fsdp``."""
+        if self.backend is not None:
+            return self.backend
+        return "fsdp2" if self.fsdp else "deepspeed"
+
+    @property
+    def sleep_level(self) -> int | None:
+        """The engine sleep level in force: ``None`` when sleep is disabled."""
+        if not self.enable_engine_sleep:
+            return None
+        return self.engine_sleep_level or 1
+
+    def validate_world_size(self, world_size: int) -> None:
+        """Check the settings that depend on the number of ranks.
+
+        The strategy calls this once the process group exists. Raises
+        :class:`ConfigError` naming every size that does not fit ``world_size``.
+        """
+        if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+            raise ConfigError(
+                [ConfigProblem("world_size", world_size, "must be a positive integer")]
+            )
+        divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
+        sized = ["sp_size", "engine_tp_size"]
+        if self.resolved_backend == "deepspeed":
+            sized.append("zpg")
+        problems = [
+            ConfigProblem(
+                name,
+                getattr(self, name),
+                f"does not divide the world size {world_size}",
+                accepted=f"a divisor of {world_size}: {', '.join(map(str, divisors))}",
+            )
+            for name in sized
+            if world_size % getattr(self, name)
+        ]
+        if not problems:
+            dp = world_size // self.sp_size
+            per_step = self.micro_train_batch_size * dp
+            if self.train_batch_size % per_step:
+                lower = self.train_batch_size - self.train_batch_size % per_step
+                problems.append(
+                    ConfigProblem(
+                        "train_batch_size",
+                        self.train_batch_size,
+                        f"is not a multiple of micro_train_batch_size x data-parallel size = "
+                        f"{self.micro_train_batch_size} x {dp} = {per_step} "
+                        f"(world size {world_size} / sp_size {self.sp_size})",
+                        accepted=f"a multiple of {per_step}, e.g. {lower or per_step}"
+                        + (f" or {lower + per_step}" if lower else ""),
+                    )
+                )
+        if problems:
+            raise ConfigError(problems)
+
+    def gradient_accumulation_steps(self, world_size: int) -> int:
+        """Micro-batches accumulated per optimizer step at ``world_size`` ranks."""
+        self.validate_world_size(world_size)
+        dp = world_size // self.sp_size
+        return self.train_batch_size // (self.micro_train_batch_size * dp)
+
+    # -- reading from other objects ------------------------------------------------------
+    @classmethod
+    def from_args(cls, args: Any, /, **overrides: Any) -> StrategyConfig:
+        """Build a config from an argparse namespace, a mapping, any object with
+        attributes, or another StrategyConfig; ``overrides`` win over ``args``.
+
+        Known names are validated and converted (a list ``adam_betas`` becomes a tuple;
+        ``None`` for a field that cannot be null means "not given"). Every other name
+        lands in ``extra_args``; one that is a single edit away from a field logs a
+        warning naming that field.
+        """
+        values = {**sources.as_mapping(args), **overrides}
+        return cls._from_values(values, {})
+
+    @classmethod
+    def _from_values(cls, values: Mapping[str, Any], origin: Mapping[str, str]) -> StrategyConfig:
+        fields = cls.model_fields
+        known: dict[str, Any] = {}
+        extra: dict[str, Any] = dict(values.get("extra_args") or {})
+        for name, value in values.items():
+            if name == "extra_args":
+                continue
+            if name not in fields:
+                guess = one_edit_away(name, fields)
+                if guess is not None:
+                    logger.warning(
+                        "unknown config name %r%s kept in extra_args; did you mean %r?",
+                        name,
+                        f" (from {origin[name]})" if name in origin else "",
+                        guess,
+                    )
+                extra[name] = value
+            elif value is None and not sources.is_nullable(fields[name]):
+                logger.debug("config name %r is None; using its default", name)
+            else:
+                known[name] = value
+        try:
+            return cls(**known, extra_args=extra)
+        except ConfigError as exc:
+            raise exc.with_sources(origin) from None
+
+    def get_extra_arg(self, name: str, default: Any = None) -> Any:
+        """The value of an argument from_args did not recognise, or ``default``.
+
+        A name that is a field returns the field's value, so callers need not know
+        which names the config models.
+        """
+        if name in type(self).model_fields and name != "extra_args":
+            return getattr(self, name)
+        return self.extra_args.get(name, default)
+
+    # -- files, environment, command line ------------------------------------------------
+    @classmethod
+    def from_file(cls, path: str | os.PathLike[str], /, **overrides: Any) -> StrategyConfig:
+        """Load a YAML (``.yaml``/``.yml``, needs the ``yaml`` extra) or JSON file."""
+        return cls.load(file=path, environ={}, **overrides)
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> StrategyConfig:
+        """Defaults overridden by ``LIGHTRFT_<FIELD>`` environment variables."""
+        return cls.load(environ=os.environ if environ is None else environ)
+
+    @classmethod
+    def load(
+        cls,
+        *,
+        file: str | os.PathLike[str] | None = None,
+        environ: Mapping[str, str] | None = None,
+        args: Any = None,
+        **overrides: Any,
+    ) -> StrategyConfig:
+        """Layered loading. Later layers win:
+
+        defaults < ``file`` < environment (``LIGHTRFT_*``; ``os.environ`` when
+        ``environ`` is None, pass ``{}`` to ignore it) < ``args`` (flags given on
+        the command line, a mapping or namespace) < keyword ``overrides``.
+        """
+        layers = sources.collect_layers(
+            cls, file=file, environ=os.environ if environ is None else environ, args=args
+        )
+        layers.append((dict(overrides), "keyword argument"))
+        values, origin = sources.merge_layers(layers)
+        return cls._from_values(values, origin)
+
+    @classmethod
+    def add_arguments(
+        cls, parser: argparse.ArgumentParser, *, suppress_defaults: bool = False
+    ) -> argparse.ArgumentParser:
+        """Add one flag per field (``--zero_stage`` and ``--zero-stage``) to ``parser``.
+
+        With ``suppress_defaults`` an absent flag is absent from the namespace, which
+        lets :meth:`load` tell given flags from defaults.
+        """
+        return sources.add_arguments(cls, parser, suppress_defaults=suppress_defaults)
+
+    @classmethod
+    def from_argv(
+        cls,
+        argv: Sequence[str] | None = None,
+        *,
+        environ: Mapping[str, str] | None = None,
+        prog: str | None = None,
+    ) -> StrategyConfig:
+        """Parse command-line flags (plus ``--config FILE``) and load them over the file
+        and the environment, as :meth:`load` does."""
+        parser = argparse.ArgumentParser(prog=prog, description="LightRFT strategy configuration")
+        parser.add_argument("--config", metavar="FILE", help="YAML or JSON config file")
+        cls.add_arguments(parser, suppress_defaults=True)
+        namespace = vars(parser.parse_args(argv))
+        file = namespace.pop("config", None)
+        return cls.load(file=file, environ=environ, args=namespace)
+
+    @classmethod
+    def json_schema(cls) -> dict[str, Any]:
+        """The JSON Schema of the configuration (descriptions, types, bounds)."""
+        return cls.model_json_schema()
+
+    # -- summary ---------------------------------------------------------------------------
+    def summary(self) -> str:
+        """Readable text naming the values that differ from the defaults."""
+        return summary.render(self)
+
+    def log_summary(self, *, rank: int | None = None, log: logging.Logger | None = None) -> bool:
+        """Log :meth:`summary` at INFO once per config, on rank 0 only.
+
+        ``rank`` defaults to the ``RANK`` environment variable (0 when unset).
+        Returns whether it logged.
+        """
+        if rank is None:
+            rank = int(os.environ.get("RANK", "0"))
+        if rank != 0 or self._summary_logged:
+            return False
+        (log or logger).info("%s", self.summary())
+        self._summary_logged = True
+        return True

@@ -1,0 +1,7 @@
+"""lightrft.engines: placeholder until its issue lands (see the package README)."""
+
+from importlib.metadata import version as _version
+
+__version__ = _version("lightrft-engines")
+
+__all__ = ["__version__"]
