@@ -21,7 +21,10 @@ BAD_INPUTS: list[tuple[dict[str, Any], list[str]]] = [
     ({"train_batch_size": -8}, ["train_batch_size=-8", "> 0"]),
     ({"zero_stage": 4}, ["zero_stage=4", "less than or equal to 3", ">= 0 and <= 3"]),
     ({"zero_stage": -1}, ["zero_stage=-1", ">= 0 and <= 3"]),
-    ({"engine_type": "vlm"}, ["engine_type='vlm'", "did you mean 'vllm'", "'vllm', 'sglang', 'hf'"]),
+    (
+        {"engine_type": "vlm"},
+        ["engine_type='vlm'", "did you mean 'vllm'", "'vllm', 'sglang', 'hf'"],
+    ),
     ({"engine_type": "trt"}, ["engine_type='trt'", "one of 'vllm', 'sglang', 'hf'"]),
     ({"engine_tp_size": 0}, ["engine_tp_size=0", "> 0"]),
     ({"adam_betas": (0.9, 1.0)}, ["adam_betas=(0.9, 1.0)", "less than 1", "each >= 0 and < 1"]),
@@ -42,7 +45,10 @@ BAD_INPUTS: list[tuple[dict[str, Any], list[str]]] = [
     ({"plot_every": 0}, ["plot_every=0", "no step", "-1 (never) or an integer >= 1"]),
     ({"device": "tpu"}, ["device='tpu'", "'auto', 'cpu', 'cuda'"]),
     ({"device": "cpus"}, ["device='cpus'", "did you mean 'cpu'"]),
-    ({"backend": "megatron"}, ["backend='megatron'", "deepspeed, fsdp2, fake", "lightrft.strategies"]),
+    (
+        {"backend": "megatron"},
+        ["backend='megatron'", "deepspeed, fsdp2, fake", "lightrft.strategies"],
+    ),
     ({"engine_mem_util": 1.5}, ["engine_mem_util=1.5", "> 0 and <= 1"]),
     ({"engine_mem_util": 0}, ["engine_mem_util=0", "> 0 and <= 1"]),
     ({"engine_max_model_len": 0}, ["engine_max_model_len=0", "null or an integer > 0"]),
@@ -97,7 +103,11 @@ def test_problem_carries_structured_fields() -> None:
     with pytest.raises(ConfigError) as info:
         StrategyConfig(zero_stage=9)
     (problem,) = info.value.problems
-    assert (problem.field, problem.value, problem.accepted) == ("zero_stage", 9, "an integer >= 0 and <= 3")
+    assert (problem.field, problem.value, problem.accepted) == (
+        "zero_stage",
+        9,
+        "an integer >= 0 and <= 3",
+    )
     assert isinstance(info.value, ValueError)
 
 
@@ -105,9 +115,15 @@ def test_problem_carries_structured_fields() -> None:
 @pytest.mark.parametrize(
     ("environ", "fragments"),
     [
-        ({"LIGHTRFT_ZERO_STAGE": "five"}, ["zero_stage='five'", "environment variable LIGHTRFT_ZERO_STAGE"]),
+        (
+            {"LIGHTRFT_ZERO_STAGE": "five"},
+            ["zero_stage='five'", "environment variable LIGHTRFT_ZERO_STAGE"],
+        ),
         ({"LIGHTRFT_BF16": "perhaps"}, ["bf16='perhaps'", "LIGHTRFT_BF16", "true or false"]),
-        ({"LIGHTRFT_ADAM_BETAS": "[0.9, 0.95"}, ["adam_betas='[0.9, 0.95'", "not valid JSON", "LIGHTRFT_ADAM_BETAS"]),
+        (
+            {"LIGHTRFT_ADAM_BETAS": "[0.9, 0.95"},
+            ["adam_betas='[0.9, 0.95'", "not valid JSON", "LIGHTRFT_ADAM_BETAS"],
+        ),
         ({"LIGHTRFT_ADAM_BETAS": "0.9"}, ["adam_betas=['0.9']", "LIGHTRFT_ADAM_BETAS"]),
         ({"LIGHTRFT_EXTRA_ARGS": "{oops"}, ["extra_args='{oops'", "not valid JSON"]),
         ({"LIGHTRFT_ENGINE_TYPE": "sglng"}, ["engine_type='sglng'", "did you mean 'sglang'"]),
@@ -157,3 +173,21 @@ def test_yaml_without_pyyaml_names_the_extra(
     json_path = tmp_path / "c.json"
     json_path.write_text('{"seed": 1}')
     assert StrategyConfig.from_file(json_path).seed == 1
+
+
+def test_bad_value_from_each_layer_names_its_layer(tmp_path: Path) -> None:
+    path = tmp_path / "c.json"
+    path.write_text('{"seed": -1}')
+    cases: list[tuple[dict[str, Any], str]] = [
+        ({"file": path}, "seed=-1 (from file "),
+        (
+            {"environ": {"LIGHTRFT_SEED": "-2"}},
+            "seed='-2' (from environment variable LIGHTRFT_SEED)",
+        ),
+        ({"args": {"seed": -3}}, "seed=-3 (from command line --seed)"),
+        ({"seed": -4}, "seed=-4 (from keyword argument)"),
+    ]
+    for kwargs, fragment in cases:
+        with pytest.raises(ConfigError) as info:
+            StrategyConfig.load(**{"environ": {}, **kwargs})
+        assert fragment in str(info.value), str(info.value)

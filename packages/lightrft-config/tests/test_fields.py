@@ -7,7 +7,7 @@ import pytest
 from lightrft.config import ConfigError, StrategyConfig
 
 # The upstream StrategyConfig (../shared/DESIGN.md appendix): names and defaults to keep.
-UPSTREAM_DEFAULTS = {
+UPSTREAM_DEFAULTS: dict[str, object] = {
     "seed": 42,
     "max_norm": 1.0,
     "micro_train_batch_size": 1,
@@ -55,7 +55,7 @@ UPSTREAM_DEFAULTS = {
     "extra_args": {},
 }
 
-NEW_FIELDS = {
+NEW_FIELDS: dict[str, object] = {
     "backend": None,
     "device": "auto",
     "engine_mem_util": 0.5,

@@ -15,7 +15,7 @@ from .test_fields import UPSTREAM_DEFAULTS
 
 def upstream_namespace(**changes: object) -> argparse.Namespace:
     """A namespace like an upstream LightRFT trainer's: every field plus trainer args."""
-    values = {k: v for k, v in UPSTREAM_DEFAULTS.items() if k != "extra_args"}
+    values: dict[str, object] = {k: v for k, v in UPSTREAM_DEFAULTS.items() if k != "extra_args"}
     values.update(pretrain="Qwen/Qwen2-0.5B", save_path="./ckpt", num_episodes=1)
     values.update(changes)
     return argparse.Namespace(**values)
@@ -25,7 +25,11 @@ def test_upstream_namespace_converts_unchanged() -> None:
     config = StrategyConfig.from_args(upstream_namespace(zero_stage=3, adam_betas=[0.9, 0.99]))
     assert config.zero_stage == 3
     assert config.adam_betas == (0.9, 0.99)
-    assert config.extra_args == {"pretrain": "Qwen/Qwen2-0.5B", "save_path": "./ckpt", "num_episodes": 1}
+    assert config.extra_args == {
+        "pretrain": "Qwen/Qwen2-0.5B",
+        "save_path": "./ckpt",
+        "num_episodes": 1,
+    }
 
 
 @dataclasses.dataclass(slots=True)
@@ -53,7 +57,9 @@ class PlainArgs:
     ],
     ids=["namespace", "dict", "mapping", "slots-dataclass", "object", "config"],
 )
-def test_from_args_accepts_many_sources(source: object, seed: int, extra: dict[str, object]) -> None:
+def test_from_args_accepts_many_sources(
+    source: object, seed: int, extra: dict[str, object]
+) -> None:
     config = StrategyConfig.from_args(source)
     assert config.seed == seed
     assert config.extra_args == extra
@@ -77,7 +83,9 @@ def test_strings_are_converted() -> None:
 
 
 def test_none_means_not_given_for_fields_that_cannot_be_null() -> None:
-    config = StrategyConfig.from_args({"seed": None, "critic_pretrain": None, "pretrain_data": None})
+    config = StrategyConfig.from_args(
+        {"seed": None, "critic_pretrain": None, "pretrain_data": None}
+    )
     assert config.seed == 42
     assert config.critic_pretrain is False
     assert config.pretrain_data is None
@@ -107,7 +115,9 @@ def test_get_extra_arg() -> None:
         ("zero_stg", None),
     ],
 )
-def test_one_edit_typo_warns(caplog: pytest.LogCaptureFixture, typo: str, meant: str | None) -> None:
+def test_one_edit_typo_warns(
+    caplog: pytest.LogCaptureFixture, typo: str, meant: str | None
+) -> None:
     with caplog.at_level("WARNING", logger="lightrft.config"):
         config = StrategyConfig.from_args({typo: 1})
     assert config.extra_args == {typo: 1}

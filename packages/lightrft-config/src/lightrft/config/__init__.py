@@ -3,13 +3,21 @@
 ``import lightrft.config`` needs pydantic only: no torch, no device queries.
 """
 
-from importlib.metadata import version as _version
+from typing import Any
 
 from lightrft.config.backends import BUILTIN_BACKENDS, ENTRY_POINT_GROUP, known_backend_names
 from lightrft.config.errors import ConfigError, ConfigProblem
 from lightrft.config.strategy_config import StrategyConfig
 
-__version__ = _version("lightrft-config")
+
+def __getattr__(name: str) -> Any:
+    # importlib.metadata costs ~60 ms to import; only pay it when asked.
+    if name == "__version__":
+        from importlib.metadata import version
+
+        return version("lightrft-config")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "BUILTIN_BACKENDS",

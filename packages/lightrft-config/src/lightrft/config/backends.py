@@ -6,8 +6,6 @@ so a configuration can be validated on a machine with no torch.
 
 from __future__ import annotations
 
-from importlib.metadata import entry_points
-
 #: The entry-point group third-party backends register under.
 ENTRY_POINT_GROUP = "lightrft.strategies"
 
@@ -20,6 +18,8 @@ BACKEND_ALIASES: dict[str, str] = {"fsdp": "fsdp2", "ds": "deepspeed"}
 
 def registered_backend_names() -> tuple[str, ...]:
     """Names registered by installed distributions under :data:`ENTRY_POINT_GROUP`."""
+    from importlib.metadata import entry_points  # slow to import; needed only here
+
     return tuple(sorted({ep.name for ep in entry_points(group=ENTRY_POINT_GROUP)}))
 
 

@@ -59,7 +59,9 @@ class ConfigError(ValueError):
         """A copy whose problems say where each field's value came from."""
         return ConfigError(
             [
-                replace(p, source=sources[p.field]) if p.field in sources else p
+                replace(p, source=sources[p.field])
+                if p.field is not None and p.field in sources
+                else p
                 for p in self.problems
             ],
             self.subject,
@@ -157,7 +159,9 @@ def from_validation_error(
         message = _lower_first(err["msg"])
         if info is not None and isinstance(value, str):
             choices = [str(c) for c in typing.get_args(info.annotation)]
-            guess = closest(value, choices) if typing.get_origin(info.annotation) is Literal else None
+            guess = (
+                closest(value, choices) if typing.get_origin(info.annotation) is Literal else None
+            )
             if guess and guess != value:
                 message += f" (did you mean {guess!r}?)"
         accepted = describe_accepted(info) if info is not None else None

@@ -84,7 +84,9 @@ def read_file(path: str | os.PathLike[str]) -> dict[str, Any]:
         try:
             data = json.loads(text) if text.strip() else {}
         except json.JSONDecodeError as exc:
-            raise fail(f"not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}") from None
+            raise fail(
+                f"not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}"
+            ) from None
     elif suffix in (".yaml", ".yml"):
         try:
             import yaml

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable
 
 
@@ -23,15 +24,53 @@ def edit_distance(a: str, b: str) -> int:
     return d[-1][-1]
 
 
+def is_one_edit(a: str, b: str) -> bool:
+    """Whether ``a`` and ``b`` differ by exactly one edit (as in :func:`edit_distance`),
+    in linear time: this runs for every unknown name a trainer passes."""
+    if a == b or abs(len(a) - len(b)) > 1:
+        return False
+    if len(a) > len(b):
+        a, b = b, a
+    i = 0
+    while i < len(a) and a[i] == b[i]:
+        i += 1
+    if len(a) < len(b):  # one insertion
+        return a[i:] == b[i + 1 :]
+    if a[i + 1 :] == b[i + 1 :]:  # one substitution
+        return True
+    return a[i + 2 :] == b[i + 2 :] and a[i : i + 2] == b[i : i + 2][::-1]  # adjacent swap
+
+
+def _deletions(word: str) -> set[str]:
+    return {word, *(word[:i] + word[i + 1 :] for i in range(len(word)))}
+
+
+@functools.lru_cache(maxsize=16)
+def _deletion_index(candidates: tuple[str, ...]) -> dict[str, frozenset[str]]:
+    index: dict[str, set[str]] = {}
+    for candidate in candidates:
+        for key in _deletions(candidate):
+            index.setdefault(key, set()).add(candidate)
+    return {key: frozenset(found) for key, found in index.items()}
+
+
 def one_edit_away(name: str, candidates: Iterable[str]) -> str | None:
     """The candidate exactly one edit away from ``name``, if any.
 
     Names shorter than three characters are never matched: at that length almost
-    everything is one edit from something.
+    everything is one edit from something. Two words one edit apart share a
+    one-deletion variant, so an index of those finds the few candidates worth
+    checking without comparing ``name`` to every field.
     """
     if len(name) < 3:
         return None
-    matches = sorted(c for c in candidates if len(c) >= 3 and edit_distance(name, c) == 1)
+    index = _deletion_index(tuple(candidates))
+    nearby: set[str] = set()
+    for key in _deletions(name):
+        nearby |= index.get(key, frozenset())
+    swaps = {name[:i] + name[i + 1] + name[i] + name[i + 2 :] for i in range(len(name) - 1)}
+    nearby |= {s for s in swaps if s in index and s in index[s]}
+    matches = sorted(c for c in nearby if len(c) >= 3 and is_one_edit(name, c))
     return matches[0] if matches else None
 
 
@@ -39,6 +78,8 @@ def closest(name: str, candidates: Iterable[str], max_distance: int = 2) -> str 
     """The nearest candidate within ``max_distance`` edits (case-insensitive), if any."""
     best: tuple[int, str] | None = None
     for candidate in candidates:
+        if abs(len(candidate) - len(name)) > max_distance:
+            continue  # cannot be within reach; skip the quadratic comparison
         distance = edit_distance(name.lower(), candidate.lower())
         if distance <= max_distance and (best is None or (distance, candidate) < best):
             best = (distance, candidate)

@@ -263,9 +263,9 @@ class StrategyConfig(BaseModel):
         # Upstream code reads `config.fsdp`; keep it true when FSDP2 is chosen by name.
         # An argparse namespace always carries fsdp=False when the flag was not given,
         # so an explicit backend name wins over a false `fsdp`.
-        if isinstance(data, dict) and isinstance(data.get("backend"), str):
-            if canonical_backend_name(data["backend"]) == "fsdp2":
-                data = {**data, "fsdp": True}
+        backend = data.get("backend") if isinstance(data, dict) else None
+        if isinstance(backend, str) and canonical_backend_name(backend) == "fsdp2":
+            data = {**data, "fsdp": True}
         return data
 
     @model_validator(mode="after")
@@ -439,7 +439,7 @@ class StrategyConfig(BaseModel):
         layers = sources.collect_layers(
             cls, file=file, environ=os.environ if environ is None else environ, args=args
         )
-        layers.append((dict(overrides), "keyword argument"))
+        layers.append((dict(overrides), dict.fromkeys(overrides, "keyword argument")))
         values, origin = sources.merge_layers(layers)
         return cls._from_values(values, origin)
 

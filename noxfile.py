@@ -1,0 +1,146 @@
+"""Sessions per package and per backend. `nox -l` lists them; `nox` runs the test suite.
+
+Each session builds its own environment from the committed uv.lock
+(`uv sync --locked --package ...`), so a session proves its package works with
+only the dependencies it declares.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import shutil
+from pathlib import Path
+
+import nox
+
+ROOT = Path(__file__).parent
+PYTHONS = ["3.10", "3.11", "3.12", "3.13"]
+DEFAULT_PYTHON = "3.11"
+PACKAGES = ["lightrft-config", "lightrft-strategy", "lightrft-engines", "lightrft-testing"]
+
+nox.needs_version = ">=2025.2.9"
+nox.options.default_venv_backend = "uv"
+nox.options.reuse_existing_virtualenvs = True
+# `nox` with no -s runs the whole test suite: README's test command.
+nox.options.sessions = ["lint", "typecheck", "config", "packages", "demo"]
+
+
+def _expose_pyenv_interpreters() -> None:
+    """Put pyenv's interpreters for PYTHONS on PATH.
+
+    pyenv's shims answer `python3.12` only for the globally selected version, and uv
+    would otherwise try to download a missing interpreter; the real binaries are
+    under $PYENV_ROOT/versions/<version>/bin.
+    """
+    root = Path(os.environ.get("PYENV_ROOT", Path.home() / ".pyenv"))
+    found = []
+    for version in PYTHONS:
+        candidates = sorted(glob.glob(str(root / "versions" / f"{version}.*" / "bin")))
+        if candidates:
+            found.append(candidates[-1])
+    if found:
+        os.environ["PATH"] = os.pathsep.join([*found, os.environ.get("PATH", "")])
+    os.environ.setdefault("UV_PYTHON_DOWNLOADS", "never")
+
+
+_expose_pyenv_interpreters()
+
+
+def sync(session: nox.Session, package: str | None, *args: str) -> None:
+    """Install ``package`` (or only dependency groups when None) from uv.lock into the
+    session's virtualenv."""
+    selector = ["--package", package] if package else []
+    session.run_install(
+        "uv",
+        "sync",
+        "--locked",
+        *selector,
+        *args,
+        env={"UV_PROJECT_ENVIRONMENT": session.virtualenv.location},
+        external=True,
+    )
+
+
+@nox.session(python=PYTHONS)
+def config(session: nox.Session) -> None:
+    """lightrft-config's tests, on every supported Python."""
+    sync(session, "lightrft-config", "--extra", "yaml", "--group", "test")
+    session.chdir(ROOT / "packages" / "lightrft-config")
+    session.run("pytest", "-q", *session.posargs)
+
+
+@nox.session(python=DEFAULT_PYTHON)
+def lint(session: nox.Session) -> None:
+    """ruff lint and format check over the whole repository."""
+    sync(session, None, "--only-group", "lint")
+    session.run("ruff", "check", ".")
+    session.run("ruff", "format", "--check", ".")
+
+
+@nox.session(python=DEFAULT_PYTHON)
+def typecheck(session: nox.Session) -> None:
+    """mypy: strict on lightrft-config (and its tests), default elsewhere."""
+    sync(session, "lightrft-config", "--extra", "yaml", "--group", "test", "--group", "typecheck")
+    session.run("mypy", "--config-file", "pyproject.toml", "--strict", "-p", "lightrft.config")
+    session.run(
+        "mypy",
+        "--config-file",
+        "pyproject.toml",
+        "--strict",
+        "--explicit-package-bases",
+        "packages/lightrft-config/tests",
+        env={"MYPYPATH": "packages/lightrft-config"},
+    )
+    session.run(
+        "mypy", "--config-file", "pyproject.toml",
+        "noxfile.py", "dev.py", "tools", "benchmarks", "examples",
+    )  # fmt: skip
+
+
+@nox.session(python=DEFAULT_PYTHON)
+def packages(session: nox.Session) -> None:
+    """Build every distribution with `uv build --package`, then install each wheel alone
+    into a clean environment with no workspace sources and import it.
+
+    A dependency a package uses but does not declare fails here, not at a user.
+    Sibling packages come from the wheels just built (they are not on PyPI yet).
+    """
+    dist = Path(session.create_tmp()) / "dist"
+    shutil.rmtree(dist, ignore_errors=True)
+    for package in PACKAGES:
+        session.run(
+            "uv", "build", "--package", package, "--out-dir", str(dist), "--no-sources",
+            external=True,
+        )  # fmt: skip
+    for package in PACKAGES:
+        module = "lightrft." + package.removeprefix("lightrft-")
+        env_dir = Path(session.create_tmp()) / f"alone-{package}"
+        shutil.rmtree(env_dir, ignore_errors=True)
+        python = str(env_dir / "bin" / "python")
+        session.run(
+            "uv", "venv", "--quiet", "--python", str(session.python), str(env_dir), external=True
+        )
+        wheel = next(dist.glob(f"{package.replace('-', '_')}-*.whl"))
+        session.run(
+            "uv", "pip", "install", "--quiet", "--python", python,
+            "--find-links", str(dist), str(wheel), external=True,
+        )  # fmt: skip
+        session.run(
+            python, str(ROOT / "tools" / "check_installed_package.py"), package, module,
+            external=True,
+        )  # fmt: skip
+
+
+@nox.session(python=DEFAULT_PYTHON)
+def demo(session: nox.Session) -> None:
+    """The main job: a small end-to-end training run on CPU (README's first command)."""
+    sync(session, "lightrft-strategy")
+    session.run("python", "examples/train_tiny.py", *session.posargs)
+
+
+@nox.session(python=DEFAULT_PYTHON)
+def bench(session: nox.Session) -> None:
+    """Benchmarks (not tests): print our figures beside the raw approach's, with ratios."""
+    sync(session, "lightrft-config")
+    session.run("python", "benchmarks/config_load.py", *session.posargs)

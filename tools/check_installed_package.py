@@ -1,0 +1,50 @@
+"""Check one distribution installed alone into a clean environment.
+
+Run by `nox -s packages` with the environment's own interpreter:
+
+    python tools/check_installed_package.py lightrft-config lightrft.config
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+import importlib.util
+import sys
+from pathlib import Path
+
+# What each distribution must work without (its promise to users).
+MUST_NOT_NEED = {
+    "lightrft-config": ["torch", "numpy", "deepspeed", "vllm", "sglang", "transformers"],
+    "lightrft-strategy": ["deepspeed", "vllm", "sglang"],
+    "lightrft-engines": ["vllm", "sglang", "deepspeed"],
+    "lightrft-testing": ["deepspeed", "vllm", "sglang"],
+}
+
+
+def main(distribution: str, module_name: str) -> int:
+    sys.path[:] = [p for p in sys.path if p not in ("", str(Path.cwd()))]
+    module = importlib.import_module(module_name)
+    location = Path(module.__file__ or "").resolve()
+    if "site-packages" not in location.parts:
+        raise SystemExit(f"{module_name} imported from {location}, not from the installed wheel")
+    installed = importlib.metadata.version(distribution)
+    if getattr(module, "__version__", None) != installed:
+        raise SystemExit(f"{module_name}.__version__ != installed version {installed}")
+    namespace = importlib.import_module("lightrft")
+    if getattr(namespace, "__file__", None) is not None:
+        raise SystemExit("lightrft must be a PEP 420 namespace (no lightrft/__init__.py)")
+    if not (location.parent / "py.typed").is_file():
+        raise SystemExit(f"{distribution} does not ship py.typed")
+    present = [m for m in MUST_NOT_NEED[distribution] if importlib.util.find_spec(m) is not None]
+    if present:
+        raise SystemExit(f"installing {distribution} alone pulled in {present}")
+    heavy = sorted({m.split(".")[0] for m in sys.modules} & set(MUST_NOT_NEED[distribution]))
+    if heavy:
+        raise SystemExit(f"importing {module_name} imported {heavy}")
+    print(f"{distribution} {installed}: installs alone and imports from {location.parent}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(*sys.argv[1:]))
