@@ -63,6 +63,12 @@ NEW_FIELDS: dict[str, object] = {
     "engine_sleep_level": None,
     "max_ckpt_num": 3,
     "max_ckpt_mem": 1e8,
+    "precision": None,
+    "fsdp_shard_size": None,
+    "fsdp_wrap_modules": None,
+    "fsdp_reshard_after_forward": True,
+    "lr_scheduler": "cosine_with_min_lr",
+    "min_lr_ratio": 0.1,
 }
 
 
@@ -145,3 +151,21 @@ def test_construction_does_not_log(caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level("DEBUG", logger="lightrft"):
         StrategyConfig(zero_stage=3, seed=1)
     assert caplog.records == []
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "precision", "bf16"),
+    [
+        ({}, "bf16", True),
+        ({"bf16": False}, "fp32", False),
+        ({"precision": "fp16"}, "fp16", False),
+        ({"precision": "fp32", "bf16": True}, "fp32", False),
+        ({"precision": "bf16", "bf16": False}, "bf16", True),
+    ],
+)
+def test_precision_and_the_bf16_switch_agree(
+    kwargs: dict[str, object], precision: str, bf16: bool
+) -> None:
+    config = StrategyConfig(**kwargs)
+    assert config.resolved_precision == precision
+    assert config.bf16 is bf16

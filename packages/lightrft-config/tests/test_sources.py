@@ -50,6 +50,8 @@ def test_file_ignores_the_environment(tmp_path: Path, monkeypatch: pytest.Monkey
         ("USE_TENSORBOARD", "/tmp/tb", "/tmp/tb"),
         ("USE_TENSORBOARD", "on", True),
         ("EXTRA_ARGS", '{"temperature": 0.7}', {"temperature": 0.7}),
+        ("FSDP_WRAP_MODULES", "Block, Decoder", ["Block", "Decoder"]),
+        ("FSDP_WRAP_MODULES", '["Block"]', ["Block"]),
     ],
 )
 def test_environment_values_are_parsed_per_field(name: str, raw: str, expected: object) -> None:
@@ -114,6 +116,7 @@ def test_add_arguments_gives_typed_values_to_code_that_reads_the_namespace() -> 
             "--zero_stage", "3", "--no-bf16", "--fsdp", "--adam-betas", "0.8", "0.99",
             "--use_tensorboard", "--critic_pretrain", "/m/critic", "--grad_accum_dtype", "fp32",
             "--engine_max_model_len", "none", "--actor_learning_rate", "3e-6",
+            "--fsdp_wrap_modules", "Block", "Decoder",
         ]
     )  # fmt: skip
     assert ns.zero_stage == 3
@@ -125,6 +128,7 @@ def test_add_arguments_gives_typed_values_to_code_that_reads_the_namespace() -> 
     assert ns.grad_accum_dtype == "fp32"
     assert ns.engine_max_model_len is None
     assert ns.actor_learning_rate == 3e-6
+    assert ns.fsdp_wrap_modules == ["Block", "Decoder"]
     config = StrategyConfig.from_args(ns)
     assert config.resolved_backend == "fsdp2"
     assert config.adam_betas == (0.8, 0.99)

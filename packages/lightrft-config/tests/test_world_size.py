@@ -31,6 +31,7 @@ def test_gradient_accumulation_steps(kwargs: dict[str, int], world: int, steps: 
         ({"sp_size": 3}, 8, ["sp_size=3", "does not divide the world size 8", "1, 2, 4, 8"]),
         ({"engine_tp_size": 4}, 6, ["engine_tp_size=4", "world size 6", "1, 2, 3, 6"]),
         ({"zpg": 4}, 2, ["zpg=4", "world size 2"]),
+        ({"backend": "fsdp2", "fsdp_shard_size": 3}, 4, ["fsdp_shard_size=3", "1, 2, 4"]),
     ],
 )
 def test_world_size_mismatch_gives_the_numbers(

@@ -213,6 +213,9 @@ def _flag_spec(info: FieldInfo) -> dict[str, Any]:
     if typing.get_origin(base) is tuple:
         n = len(typing.get_args(base))
         return {"nargs": n, "type": float, "metavar": tuple(f"V{i + 1}" for i in range(n))}
+    if typing.get_origin(base) is list:
+        (item,) = typing.get_args(base)
+        return {"nargs": "+", "type": item, "metavar": item.__name__.upper()}
     if base in (int, float, str):
         return {"type": wrap(base), "metavar": base.__name__.upper()}
     raise TypeError(f"no command-line form for field type {annotation!r}")

@@ -184,6 +184,38 @@ class StrategyConfig(BaseModel):
         "auto", description="(new) Device: auto picks cuda when available, else cpu."
     )
 
+    # -- new: precision, FSDP2 layout, schedule ----------------------------------------
+    precision: Literal["bf16", "fp16", "fp32"] | None = Field(
+        None,
+        description="(new) Mixed-precision dtype of parameters in compute; None: bf16 when "
+        "`bf16` is true, else fp32. Setting it also sets `bf16` to match.",
+        json_schema_extra={"accepted": "null or one of 'bf16', 'fp16', 'fp32'"},
+    )
+    fsdp_shard_size: Int | None = Field(
+        None,
+        gt=0,
+        description="(new) FSDP2 HSDP: ranks per shard group, replicated across groups "
+        "(None: shard over all ranks). Must divide the world size.",
+        json_schema_extra={"accepted": "null or an integer > 0"},
+    )
+    fsdp_wrap_modules: list[str] | None = Field(
+        None,
+        description="(new) Module class names FSDP2 shards one by one (None: the model's "
+        "`_no_split_modules`, else every element of its nn.ModuleLists).",
+        json_schema_extra={"accepted": "null or a list of class names"},
+    )
+    fsdp_reshard_after_forward: bool = Field(
+        True, description="(new) FSDP2: free gathered parameters after forward (ZeRO-3 like)."
+    )
+    lr_scheduler: Literal["cosine_with_min_lr", "cosine", "linear", "constant_with_warmup"] = Field(
+        "cosine_with_min_lr",
+        description="(new) Learning-rate schedule after warmup (upstream: cosine to a "
+        "minimum of min_lr_ratio x the learning rate).",
+    )
+    min_lr_ratio: Float = Field(
+        0.1, ge=0, le=1, description="(new) cosine_with_min_lr: final lr / peak lr."
+    )
+
     # -- new: engine options upstream read from raw args -----------------------------
     engine_mem_util: Float = Field(
         0.5, gt=0, le=1, description="(new) Fraction of accelerator memory the engine may use."
@@ -266,6 +298,10 @@ class StrategyConfig(BaseModel):
         backend = data.get("backend") if isinstance(data, dict) else None
         if isinstance(backend, str) and canonical_backend_name(backend) == "fsdp2":
             data = {**data, "fsdp": True}
+        # Likewise `bf16` follows an explicit precision.
+        precision = data.get("precision") if isinstance(data, dict) else None
+        if precision in ("bf16", "fp16", "fp32"):
+            data = {**data, "bf16": precision == "bf16"}
         return data
 
     @model_validator(mode="after")
@@ -283,6 +319,10 @@ class StrategyConfig(BaseModel):
             problems.append(
                 "backend='deepspeed' contradicts fsdp=True; drop one of them "
                 "(backend takes a name, fsdp is the upstream switch)"
+            )
+        if self.precision is not None and self.bf16 != (self.precision == "bf16"):
+            problems.append(  # reachable by assignment only
+                f"precision={self.precision!r} contradicts bf16={self.bf16}; set one of them"
             )
         if self.backend == "fsdp2" and not self.fsdp:  # reachable by assignment only
             problems.append("backend='fsdp2' contradicts fsdp=False; set fsdp=True as well")
@@ -302,6 +342,13 @@ class StrategyConfig(BaseModel):
         if self.backend is not None:
             return self.backend
         return "fsdp2" if self.fsdp else "deepspeed"
+
+    @property
+    def resolved_precision(self) -> Literal["bf16", "fp16", "fp32"]:
+        """The compute dtype in force: ``precision`` if set, else by ``bf16``."""
+        if self.precision is not None:
+            return self.precision
+        return "bf16" if self.bf16 else "fp32"
 
     @property
     def sleep_level(self) -> int | None:
@@ -324,6 +371,8 @@ class StrategyConfig(BaseModel):
         sized = ["sp_size", "engine_tp_size"]
         if self.resolved_backend == "deepspeed":
             sized.append("zpg")
+        if self.resolved_backend == "fsdp2" and self.fsdp_shard_size is not None:
+            sized.append("fsdp_shard_size")
         problems = [
             ConfigProblem(
                 name,
