@@ -1,7 +1,68 @@
-"""lightrft.strategy: placeholder until its issue lands (see the package README)."""
+"""One training-strategy interface over DeepSpeed and PyTorch FSDP2, on CUDA or CPU.
 
-from importlib.metadata import version as _version
+    from lightrft.strategy import get_strategy
+    strategy = get_strategy(args)          # argparse namespace, dict or StrategyConfig
+    strategy.setup_distributed()
 
-__version__ = _version("lightrft-strategy")
+Backends are imported only when selected: importing this package imports neither
+DeepSpeed nor any inference engine.
+"""
 
-__all__ = ["__version__"]
+from __future__ import annotations
+
+from typing import Any
+
+from lightrft.config import ConfigError, StrategyConfig
+from lightrft.strategy.base import StrategyBase
+from lightrft.strategy.checkpoint import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    ForeignCheckpointError,
+    IncompleteCheckpointError,
+)
+from lightrft.strategy.registry import (
+    UnknownBackendError,
+    available_backends,
+    get_backend,
+    get_strategy,
+    register_backend,
+)
+
+
+def get_fake_strategy(args: Any = None, /, **overrides: Any) -> StrategyBase:
+    """A single-process :class:`FakeStrategy` for tests (from lightrft-testing)."""
+    try:
+        from lightrft.testing import get_fake_strategy as factory
+    except ImportError as exc:
+        raise ImportError(
+            "get_fake_strategy lives in the lightrft-testing distribution: "
+            f"pip install lightrft-testing ({exc})"
+        ) from exc
+    strategy: StrategyBase = factory(args, **overrides)
+    return strategy
+
+
+def __getattr__(name: str) -> Any:
+    if name == "__version__":
+        from importlib.metadata import version
+
+        return version("lightrft-strategy")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+__all__ = [
+    "CheckpointError",
+    "CheckpointNotFoundError",
+    "ConfigError",
+    "ForeignCheckpointError",
+    "IncompleteCheckpointError",
+    "StrategyBase",
+    "StrategyConfig",
+    "UnknownBackendError",
+    "__version__",
+    "available_backends",
+    "get_backend",
+    "get_fake_strategy",
+    "get_strategy",
+    "register_backend",
+]

@@ -1,0 +1,513 @@
+"""`StrategyBase`: the one interface training code is written against.
+
+Everything whose meaning must not depend on the backend lives here (distributed
+setup, seeding, data loading, collectives, gradient accumulation and clipping,
+checkpoint layout); a backend supplies how models are wrapped and how their state is
+saved, gathered and loaded.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import gc
+import logging
+import random
+import sys
+import weakref
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lightrft.config import StrategyConfig
+from lightrft.strategy import collectives, distributed
+from lightrft.strategy.data import ResumableDataLoader, build_dataloader
+from lightrft.strategy.optim import build_adamw, build_scheduler, parameter_groups
+from lightrft.strategy.stepping import StepState, StepStates, clip_and_check
+
+logger = logging.getLogger("lightrft.strategy")
+_print_logger = logging.getLogger("lightrft.strategy.print")
+
+Triple = tuple[nn.Module, torch.optim.Optimizer, Any]
+
+
+class StrategyBase(ABC):
+    """A distributed training strategy. Build one with :func:`lightrft.strategy.get_strategy`.
+
+    Args:
+        config: a :class:`StrategyConfig`, an argparse namespace, a mapping, or None for
+            the defaults. The original object stays available as ``strategy.args``.
+        **overrides: fields that win over ``config`` (``seed=1``, ``zero_stage=3``...).
+    """
+
+    #: Registry name of the backend (``"fsdp2"``, ``"deepspeed"``, ``"fake"``).
+    backend_name: str = ""
+
+    def __init__(self, config: Any = None, /, **overrides: Any) -> None:
+        if isinstance(config, StrategyConfig) and not overrides:
+            self.config = config
+        else:
+            self.config = StrategyConfig.from_args(config, **overrides)
+        self.args = config if config is not None else self.config
+        self.launch = distributed.LaunchEnv(0, 0, 1, 1, "127.0.0.1", 0, "single")
+        self.device = torch.device("cpu")
+        self.accumulated_gradient = 1
+        self._owns_process_group = False
+        self._step_states = StepStates()
+        self._dataloaders: list[weakref.ref[ResumableDataLoader]] = []
+        self._optimizers: weakref.WeakKeyDictionary[nn.Module, tuple[Any, Any]] = (
+            weakref.WeakKeyDictionary()
+        )
+
+    # -- upstream attribute names ------------------------------------------------------
+    @property
+    def seed(self) -> int:
+        return self.config.seed
+
+    @property
+    def max_norm(self) -> float:
+        return self.config.max_norm
+
+    @property
+    def micro_train_batch_size(self) -> int:
+        return self.config.micro_train_batch_size
+
+    @property
+    def train_batch_size(self) -> int:
+        return self.config.train_batch_size
+
+    @property
+    def world_size(self) -> int:
+        return dist.get_world_size() if dist.is_initialized() else self.launch.world_size
+
+    # -- setup -------------------------------------------------------------------------
+    def setup_distributed(self, timeout: datetime.timedelta | None = None) -> None:
+        """Join the job's process group (creating a world of one when not launched by
+        torchrun/SLURM), pick the device, check world-size dependent settings, seed."""
+        self.launch = distributed.LaunchEnv.from_environ()
+        self.device = distributed.resolve_device(self.config.device)
+        self._owns_process_group = distributed.init_process_group(
+            self.launch, self.device, timeout
+        )
+        self.config.validate_world_size(self.world_size)
+        self.accumulated_gradient = self.config.gradient_accumulation_steps(self.world_size)
+        self.set_seed(self.config.seed)
+        self._after_setup()
+        logger.debug(
+            "%s strategy ready: rank %d/%d on %s, %d micro-batches per step",
+            self.backend_name,
+            self.get_rank(),
+            self.world_size,
+            self.device,
+            self.accumulated_gradient,
+        )
+
+    def _after_setup(self) -> None:
+        """Backend hook run at the end of :meth:`setup_distributed`."""
+
+    def close(self) -> None:
+        """Destroy the process group if :meth:`setup_distributed` created it."""
+        if self._owns_process_group and dist.is_initialized():
+            dist.barrier()
+            dist.destroy_process_group()
+        self._owns_process_group = False
+
+    def __enter__(self) -> StrategyBase:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def set_seed(self, seed: int) -> None:
+        """Seed python, numpy (when installed) and torch on every device."""
+        random.seed(seed)
+        torch.manual_seed(seed)
+        numpy = sys.modules.get("numpy")
+        if numpy is not None:
+            numpy.random.seed(seed)
+        if torch.cuda.is_available():
+            torch.cuda.manual_seed_all(seed)
+
+    # -- ranks and logging ---------------------------------------------------------------
+    def get_rank(self) -> int:
+        return dist.get_rank() if dist.is_initialized() else self.launch.rank
+
+    def is_rank_0(self) -> bool:
+        return self.get_rank() == 0
+
+    def barrier(self) -> None:
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.barrier()
+
+    def print(self, *msg: Any) -> None:
+        """Log ``msg`` at INFO on rank 0 (logger ``lightrft.strategy.print``). When the
+        program configured no logging at all, the message goes to stdout."""
+        if not self.is_rank_0():
+            return
+        if not logging.getLogger().handlers and not _print_logger.handlers:
+            handler = logging.StreamHandler(sys.stdout)
+            handler.setFormatter(logging.Formatter("%(message)s"))
+            _print_logger.addHandler(handler)
+            _print_logger.setLevel(logging.INFO)
+        _print_logger.info(" ".join(str(m) for m in msg))
+
+    # -- collectives ---------------------------------------------------------------------
+    def all_reduce(self, data: Any, op: collectives.ReduceOp = "mean") -> Any:
+        """Reduce tensors, numbers or dicts of them over all ranks; same types back."""
+        return collectives.all_reduce(data, op)
+
+    def all_gather(self, data: Any) -> Any:
+        """Gather tensors (concatenated on dim 0), numbers (a list) or dicts of them."""
+        return collectives.all_gather(data)
+
+    # -- data ----------------------------------------------------------------------------
+    def setup_dataloader(
+        self,
+        dataset: Any,
+        batch_size: int | None = None,
+        pin_memory: bool = False,
+        shuffle: bool = True,
+        collate_fn: Callable[..., Any] | None = None,
+        drop_last: bool = True,
+        sampler: Any = None,
+        consumed_samples: int = 0,
+        num_workers: int = 0,
+    ) -> ResumableDataLoader:
+        """A loader over this rank's share of ``dataset``: deterministic for the seed,
+        resumable (``consumed_samples`` is a global count), saved and restored by
+        :meth:`save_ckpt` / :meth:`load_ckpt`. ``batch_size`` defaults to
+        ``micro_train_batch_size``."""
+        if sampler is not None:
+            raise ValueError(
+                "setup_dataloader builds its own resumable distributed sampler; pass "
+                "shuffle/drop_last/consumed_samples instead of sampler="
+            )
+        dp_size = self.world_size // self.config.sp_size
+        loader = build_dataloader(
+            dataset,
+            batch_size or self.config.micro_train_batch_size,
+            num_replicas=dp_size,
+            rank=self.get_rank() // self.config.sp_size,
+            shuffle=shuffle,
+            seed=self.config.seed,
+            drop_last=drop_last,
+            collate_fn=collate_fn,
+            pin_memory=pin_memory,
+            num_workers=num_workers,
+            consumed_samples=consumed_samples,
+        )
+        self._dataloaders.append(weakref.ref(loader))
+        return loader
+
+    def tracked_dataloaders(self) -> list[ResumableDataLoader]:
+        """Loaders made by :meth:`setup_dataloader` and still alive, in creation order."""
+        return [loader for ref in self._dataloaders if (loader := ref()) is not None]
+
+    # -- optimizers and models -----------------------------------------------------------
+    def create_optimizer(self, model: nn.Module, **kwargs: Any) -> torch.optim.Optimizer:
+        """AdamW over ``model`` with weight decay on weights only (not biases or norms).
+
+        ``lr`` defaults to ``actor_learning_rate``, ``betas`` to ``adam_betas`` and
+        ``weight_decay`` to ``l2``; other keyword arguments go to the optimizer.
+        """
+        model = self._model_for_optimizer(model)
+        lr = kwargs.pop("lr", self.config.actor_learning_rate)
+        betas = tuple(kwargs.pop("betas", self.config.adam_betas))
+        weight_decay = kwargs.pop("weight_decay", self.config.l2)
+        groups = parameter_groups(self.unwrap_model(model), weight_decay)
+        return build_adamw(groups, lr=lr, betas=(betas[0], betas[1]), **kwargs)
+
+    def _model_for_optimizer(self, model: nn.Module) -> nn.Module:
+        """Backend hook: the module whose parameters the optimizer must hold."""
+        return model
+
+    def create_scheduler(self, optimizer: torch.optim.Optimizer, max_steps: int) -> Any:
+        """The configured warmup + ``lr_scheduler`` schedule over ``max_steps`` steps."""
+        return build_scheduler(optimizer, self.config, max_steps)
+
+    def prepare(self, *models_or_model_optim_pairs: Any, is_rlhf: bool = False) -> Any:
+        """Wrap each ``(model, optimizer, scheduler)`` triple for training and each plain
+        model for evaluation; ``None`` passes through. One argument gives one result,
+        several give a list, as upstream."""
+        results = []
+        for item in models_or_model_optim_pairs:
+            if item is None:
+                results.append(None)
+            elif isinstance(item, tuple):
+                if len(item) != 3:
+                    raise ValueError(
+                        f"prepare takes (model, optimizer, scheduler) triples, got a "
+                        f"{len(item)}-tuple"
+                    )
+                model, optimizer, scheduler = self._prepare_train(*item)
+                self._optimizers[model] = (optimizer, scheduler)
+                results.append((model, optimizer, scheduler))
+            else:
+                results.append(self.prepare_model(item, is_training=False))
+        return results[0] if len(results) == 1 else results
+
+    def prepare_model(self, model: nn.Module, is_training: bool = False) -> nn.Module:
+        """Wrap one model without an optimizer (reference, reward or EMA models)."""
+        return self._prepare_eval(model) if not is_training else self._prepare_train_model(model)
+
+    @abstractmethod
+    def _prepare_train(self, model: nn.Module, optimizer: Any, scheduler: Any) -> Triple:
+        """Backend: wrap a model with its optimizer and scheduler for training."""
+
+    @abstractmethod
+    def _prepare_train_model(self, model: nn.Module) -> nn.Module:
+        """Backend: wrap a model for training whose optimizer is created afterwards."""
+
+    @abstractmethod
+    def _prepare_eval(self, model: nn.Module) -> nn.Module:
+        """Backend: wrap a model for inference only."""
+
+    def prepare_models_and_optimizers(
+        self,
+        actor: nn.Module,
+        critic: nn.Module | None,
+        reward_models: Any,
+        initial_model: nn.Module | None,
+        args: Any = None,
+        max_steps: int = 1,
+    ) -> tuple[Triple, tuple[Any, Any, Any], Any, Any]:
+        """Build optimizers and schedules for the actor and the critic, then prepare all.
+
+        Returns ``(actor, actor_optim, actor_sched), (critic, critic_optim,
+        critic_sched), reward_models, initial_model``; a missing critic gives
+        ``(None, None, None)``; ``reward_models`` keeps its shape (one model or a list).
+        Learning rates come from ``args`` when given, else from this strategy's config.
+        """
+        config = self.config if args is None else StrategyConfig.from_args(args)
+
+        def triple(model: nn.Module, lr: float) -> Triple:
+            model = self._prepare_train_model(model)
+            optimizer = self.create_optimizer(model, lr=lr, betas=config.adam_betas)
+            scheduler = self.create_scheduler(optimizer, max_steps)
+            prepared: Triple = self.prepare((model, optimizer, scheduler))
+            return prepared
+
+        actor_triple = triple(actor, config.actor_learning_rate)
+        critic_triple: tuple[Any, Any, Any] = (
+            triple(critic, config.critic_learning_rate) if critic is not None else (None,) * 3
+        )
+        if isinstance(reward_models, list | tuple):
+            rewards: Any = [self.prepare_reward_model(m) for m in reward_models]
+        else:
+            rewards = self.prepare_reward_model(reward_models)
+        initial = self.prepare_model(initial_model) if initial_model is not None else None
+        return actor_triple, critic_triple, rewards, initial
+
+    def prepare_reward_model(self, reward_model: Any) -> Any:
+        """Wrap a reward model for inference; ``None`` (or a remote reward) passes through."""
+        if reward_model is None or not isinstance(reward_model, nn.Module):
+            return reward_model
+        return self.prepare_model(reward_model)
+
+    def unwrap_model(self, model: nn.Module) -> nn.Module:
+        """The user's module inside any wrapper (``.module`` chains)."""
+        while hasattr(model, "module") and isinstance(model.module, nn.Module):
+            model = model.module
+        return model
+
+    def step_state(self, model: nn.Module) -> StepState:
+        """Counters of ``model``'s optimisation: micro/global/skipped steps, last norm."""
+        return self._step_states[self.unwrap_model(model)]
+
+    # -- training steps ------------------------------------------------------------------
+    def backward(self, loss: torch.Tensor, model: nn.Module, optimizer: Any, **kwargs: Any) -> None:
+        """Backpropagate ``loss / accumulated_gradient``."""
+        state = self.step_state(model)
+        last = (state.micro_steps + 1) % self.accumulated_gradient == 0
+        self._before_backward(model, is_last_micro_step=last)
+        (loss / self.accumulated_gradient).backward(**kwargs)
+
+    def _before_backward(self, model: nn.Module, is_last_micro_step: bool) -> None:
+        """Backend hook (FSDP2 skips gradient sync on all but the last micro-step)."""
+
+    def optimizer_step(
+        self,
+        optimizer: torch.optim.Optimizer,
+        model: nn.Module,
+        scheduler: Any = None,
+        name: str = "model",
+        **kwargs: Any,
+    ) -> bool:
+        """Count a micro-step; on the last of ``accumulated_gradient`` clip, check and step.
+
+        Returns whether the optimizer stepped (False between accumulation boundaries
+        and when a non-finite gradient norm skipped the step).
+        """
+        state = self.step_state(model)
+        state.micro_steps += 1
+        if state.micro_steps % self.accumulated_gradient:
+            return False
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        norm = clip_and_check(params, self.config.max_norm)
+        state.last_grad_norm = norm
+        if not torch.isfinite(torch.tensor(norm)):
+            state.skipped_steps += 1
+            logger.warning(
+                "%s: gradient norm is %s at step %d; skipping this optimizer step",
+                name,
+                norm,
+                state.global_steps + 1,
+            )
+            optimizer.zero_grad(set_to_none=True)
+            return False
+        optimizer.step()
+        if scheduler is not None:
+            scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        state.global_steps += 1
+        return True
+
+    # -- optimizer offload ---------------------------------------------------------------
+    def maybe_offload_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """Move optimizer state to CPU memory (when ``adam_offload`` is off and the state
+        lives on an accelerator); :meth:`maybe_load_optimizer` moves it back."""
+        self._move_optimizer_state(optimizer, torch.device("cpu"))
+
+    def maybe_load_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        self._move_optimizer_state(optimizer, self.device)
+
+    def _move_optimizer_state(self, optimizer: torch.optim.Optimizer, device: torch.device) -> None:
+        if self.config.adam_offload:
+            return
+        for state in optimizer.state.values():
+            for key, value in state.items():
+                if isinstance(value, torch.Tensor) and key != "step":
+                    state[key] = value.to(device, non_blocking=True)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+
+    # -- memory --------------------------------------------------------------------------
+    def report_memory(self, prefix: str = "") -> dict[str, float]:
+        """Memory in GiB (accelerator allocated/reserved/peak when on CUDA, the process's
+        peak resident set on CPU), logged on rank 0 and returned."""
+        gib = 2**30
+        figures: dict[str, float] = {}
+        if self.device.type == "cuda":
+            figures["allocated_gib"] = torch.cuda.memory_allocated() / gib
+            figures["reserved_gib"] = torch.cuda.memory_reserved() / gib
+            figures["max_allocated_gib"] = torch.cuda.max_memory_allocated() / gib
+        with contextlib.suppress(ImportError):
+            import resource
+
+            kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+            figures["cpu_max_rss_gib"] = kib * 1024 / gib
+        text = ", ".join(f"{k}={v:.3f}" for k, v in figures.items())
+        self.print(f"{prefix} memory: {text}".strip())
+        return figures
+
+    def sync_and_clear_cache(self) -> None:
+        """Wait for the device, then free cached memory (python garbage, CUDA cache)."""
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+
+    # -- model state -----------------------------------------------------------------------
+    @abstractmethod
+    def init_model_context(self, meta_init: bool = False) -> contextlib.AbstractContextManager[Any]:
+        """Context in which to build models; ``meta_init`` defers allocation where the
+        backend can load the weights afterwards."""
+
+    @abstractmethod
+    def full_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        """Backend: the unsharded state dict on CPU (complete on rank 0; may be empty
+        elsewhere). Collective: every rank must call it."""
+
+    def save_model(
+        self, model: nn.Module, tokenizer: Any, output_dir: str | Path, **kwargs: Any
+    ) -> None:
+        """Write ``model`` in Hugging Face format (``*.safetensors``, config.json,
+        tokenizer files) to ``output_dir`` on rank 0. Collective."""
+        from lightrft.strategy.hf_export import write_hf_checkpoint
+
+        state = self.full_state_dict(model)
+        if self.is_rank_0():
+            write_hf_checkpoint(state, self.unwrap_model(model), Path(output_dir), tokenizer, **kwargs)
+        self.barrier()
+
+    @abstractmethod
+    def moving_average(
+        self, model: nn.Module, model_ema: nn.Module, beta: float = 0.992, device: str = "cpu"
+    ) -> None:
+        """``ema = beta * ema + (1 - beta) * model`` over parameters."""
+
+    # -- checkpoints -----------------------------------------------------------------------
+    def save_ckpt(
+        self,
+        model: nn.Module,
+        save_dir: str | Path,
+        tag: str | None = None,
+        max_num: int | None = None,
+        max_mem: float | None = None,
+        client_state: dict[str, Any] | None = None,
+        save_latest: bool = True,
+        optimizer: Any = None,
+        scheduler: Any = None,
+    ) -> Path:
+        """Save everything needed to resume: model, its optimizer and scheduler (those
+        given to :meth:`prepare`, or passed here), every rank's RNG, the state of loaders
+        from :meth:`setup_dataloader`, and ``client_state``. Collective.
+
+        ``tag`` defaults to ``global_step<N>``; rotation keeps ``max_num`` (default
+        ``max_ckpt_num``) checkpoints within ``max_mem`` GiB (default ``max_ckpt_mem``).
+        """
+        from lightrft.strategy.checkpoint.manager import save_checkpoint
+
+        return save_checkpoint(
+            self, model, Path(save_dir), tag, max_num, max_mem, client_state or {},
+            save_latest, optimizer, scheduler,
+        )  # fmt: skip
+
+    def load_ckpt(
+        self,
+        model: nn.Module,
+        load_dir: str | Path,
+        tag: str | None = None,
+        load_module_strict: bool = True,
+        load_optimizer_states: bool = True,
+        load_lr_scheduler_states: bool = True,
+        load_module_only: bool = False,
+        optimizer: Any = None,
+        scheduler: Any = None,
+    ) -> tuple[str, dict[str, Any]]:
+        """Restore what :meth:`save_ckpt` saved; returns ``(path, client_state)``.
+
+        Raises :class:`~lightrft.strategy.checkpoint.CheckpointError` subclasses when no
+        checkpoint exists, when it is incomplete or truncated, or when another backend
+        wrote it; nothing is loaded in those cases.
+        """
+        from lightrft.strategy.checkpoint.manager import load_checkpoint
+
+        return load_checkpoint(
+            self, model, Path(load_dir), tag, load_module_strict,
+            load_optimizer_states and not load_module_only,
+            load_lr_scheduler_states and not load_module_only, optimizer, scheduler,
+        )  # fmt: skip
+
+    def optimizer_of(self, model: nn.Module) -> tuple[Any, Any]:
+        """The (optimizer, scheduler) :meth:`prepare` paired with ``model``, or Nones."""
+        return self._optimizers.get(model, (None, None))
+
+    @abstractmethod
+    def save_backend_state(self, model: nn.Module, optimizer: Any, directory: Path) -> None:
+        """Backend: write model (and optimizer) state into ``directory``. Collective."""
+
+    @abstractmethod
+    def load_backend_state(
+        self, model: nn.Module, optimizer: Any, directory: Path, strict: bool
+    ) -> None:
+        """Backend: read what :meth:`save_backend_state` wrote. Collective."""
+
+    def iter_models(self) -> Iterator[nn.Module]:
+        """Models prepared for training with an optimizer."""
+        yield from list(self._optimizers.keys())

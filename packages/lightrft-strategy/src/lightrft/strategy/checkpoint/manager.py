@@ -1,0 +1,142 @@
+"""save_ckpt / load_ckpt for every backend: the shared pieces around backend state.
+
+Inside a tag directory, besides what the backend writes:
+
+    scheduler.pt        the LR scheduler's state (rank 0)
+    rng/rank<r>.pt      every rank's RNG state
+    dataloaders.json    the state of each loader from setup_dataloader, in order
+    client_state.pt     the caller's client_state (plain values only)
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from lightrft.strategy.checkpoint.layout import CheckpointDir, check_tag
+from lightrft.strategy.checkpoint.rng import capture_rng_state, restore_rng_state
+from lightrft.strategy.checkpoint.safe_io import check_plain, load_plain, save_plain
+
+if TYPE_CHECKING:
+    from lightrft.strategy.base import StrategyBase
+
+logger = logging.getLogger(__name__)
+
+
+def _versions() -> dict[str, str]:
+    found = {"torch": torch.__version__}
+    for dist_name in ("lightrft-strategy", "lightrft-config", "deepspeed"):
+        try:
+            found[dist_name] = version(dist_name)
+        except PackageNotFoundError:
+            pass
+    return found
+
+
+def save_checkpoint(
+    strategy: StrategyBase,
+    model: nn.Module,
+    save_dir: Path,
+    tag: str | None,
+    max_num: int | None,
+    max_mem: float | None,
+    client_state: dict[str, Any],
+    save_latest: bool,
+    optimizer: Any,
+    scheduler: Any,
+) -> Path:
+    """Write one complete checkpoint (see :mod:`lightrft.strategy.checkpoint.layout`)."""
+    check_plain(client_state)  # fail before writing anything
+    paired_optimizer, paired_scheduler = strategy.optimizer_of(model)
+    optimizer = optimizer if optimizer is not None else paired_optimizer
+    scheduler = scheduler if scheduler is not None else paired_scheduler
+    step = strategy.step_state(model).global_steps
+    tag = check_tag(tag if tag is not None else f"global_step{step}")
+    rank = strategy.get_rank()
+    ckpt = CheckpointDir(save_dir, rank=rank, barrier=strategy.barrier)
+
+    staging = ckpt.begin(tag)
+    strategy.save_backend_state(model, optimizer, staging)
+    (staging / "rng").mkdir(exist_ok=True)
+    save_plain(capture_rng_state(), staging / "rng" / f"rank{rank}.pt", "rng state")
+    if rank == 0:
+        if scheduler is not None:
+            save_plain(scheduler.state_dict(), staging / "scheduler.pt", "scheduler state")
+        save_plain(client_state, staging / "client_state.pt", "client_state")
+        loaders = [loader.state_dict() for loader in strategy.tracked_dataloaders()]
+        (staging / "dataloaders.json").write_text(json.dumps(loaders))
+        step_state = strategy.step_state(model)
+        steps = {"global_steps": step_state.global_steps, "micro_steps": step_state.micro_steps}
+        (staging / "steps.json").write_text(json.dumps(steps))
+    metadata = {
+        "backend": strategy.backend_name,
+        "world_size": strategy.world_size,
+        "global_step": step,
+        "has_optimizer": optimizer is not None,
+        "has_scheduler": scheduler is not None,
+        "versions": _versions(),
+    }
+    final = ckpt.commit(tag, staging, metadata, update_latest=save_latest)
+    ckpt.rotate(
+        max_num if max_num is not None else strategy.config.max_ckpt_num,
+        max_mem if max_mem is not None else strategy.config.max_ckpt_mem,
+        keep=tag,
+    )
+    strategy.barrier()
+    strategy.print(f"saved checkpoint {final}")
+    return final
+
+
+def load_checkpoint(
+    strategy: StrategyBase,
+    model: nn.Module,
+    load_dir: Path,
+    tag: str | None,
+    strict: bool,
+    load_optimizer: bool,
+    load_scheduler: bool,
+    optimizer: Any,
+    scheduler: Any,
+) -> tuple[str, dict[str, Any]]:
+    """Verify, then restore; raises before touching any state if verification fails."""
+    rank = strategy.get_rank()
+    ckpt = CheckpointDir(load_dir, rank=rank, barrier=strategy.barrier)
+    info = ckpt.resolve(tag, backend=strategy.backend_name)
+    paired_optimizer, paired_scheduler = strategy.optimizer_of(model)
+    optimizer = optimizer if optimizer is not None else paired_optimizer
+    scheduler = scheduler if scheduler is not None else paired_scheduler
+    if load_optimizer and optimizer is not None and not info.metadata.get("has_optimizer"):
+        raise ValueError(
+            f"{info.path} holds no optimizer state; pass load_optimizer_states=False"
+        )
+
+    strategy.load_backend_state(model, optimizer if load_optimizer else None, info.path, strict)
+    if load_scheduler and scheduler is not None and (info.path / "scheduler.pt").is_file():
+        scheduler.load_state_dict(load_plain(info.path / "scheduler.pt"))
+    rng_file = info.path / "rng" / f"rank{rank}.pt"
+    if rng_file.is_file() and info.metadata.get("world_size") == strategy.world_size:
+        restore_rng_state(load_plain(rng_file))
+    else:
+        logger.warning(
+            "checkpoint %s was saved at world size %s, now %d: RNG state not restored",
+            info.path,
+            info.metadata.get("world_size"),
+            strategy.world_size,
+        )
+    states = json.loads((info.path / "dataloaders.json").read_text())
+    for loader, state in zip(strategy.tracked_dataloaders(), states, strict=False):
+        loader.load_state_dict(state)
+    steps = json.loads((info.path / "steps.json").read_text())
+    step_state = strategy.step_state(model)
+    step_state.global_steps = int(steps["global_steps"])
+    step_state.micro_steps = int(steps["micro_steps"])
+    client_state = load_plain(info.path / "client_state.pt")
+    strategy.barrier()
+    strategy.print(f"loaded checkpoint {info.path}")
+    return str(info.path), client_state

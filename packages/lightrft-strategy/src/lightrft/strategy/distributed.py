@@ -1,0 +1,177 @@
+"""Where this process sits in the job, and the process group that joins it to the rest.
+
+Reads what torchrun or SLURM put in the environment; with neither, the process is a
+world of one and gets a loopback address and a free port. Nothing here assumes a
+number of GPUs per node or a fixed port.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import socket
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+
+from lightrft.config import ConfigError, ConfigProblem
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_TIMEOUT = datetime.timedelta(minutes=30)
+
+
+def find_free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port on ``host`` that nothing listens on right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+def _int(environ: Mapping[str, str], name: str) -> int:
+    try:
+        return int(environ[name])
+    except ValueError:
+        raise ConfigError(
+            [ConfigProblem(name, environ[name], "environment variable must be an integer")],
+            subject="launch environment",
+        ) from None
+
+
+@dataclass(frozen=True)
+class LaunchEnv:
+    """Rank layout of this process, as the launcher described it."""
+
+    rank: int
+    local_rank: int
+    world_size: int
+    local_world_size: int
+    master_addr: str
+    master_port: int
+    launcher: Literal["torchrun", "slurm", "single"]
+
+    @classmethod
+    def from_environ(cls, environ: Mapping[str, str] | None = None) -> LaunchEnv:
+        """torchrun's RANK/LOCAL_RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT first, then
+        SLURM's SLURM_PROCID/SLURM_LOCALID/SLURM_NTASKS, else a single process."""
+        env = os.environ if environ is None else environ
+        if "RANK" in env and "WORLD_SIZE" in env:
+            world = _int(env, "WORLD_SIZE")
+            return cls._checked(
+                rank=_int(env, "RANK"),
+                local_rank=_int(env, "LOCAL_RANK") if "LOCAL_RANK" in env else 0,
+                world_size=world,
+                local_world_size=(
+                    _int(env, "LOCAL_WORLD_SIZE") if "LOCAL_WORLD_SIZE" in env else world
+                ),
+                master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
+                master_port=_int(env, "MASTER_PORT") if "MASTER_PORT" in env else 0,
+                launcher="torchrun",
+            )
+        if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
+            if "MASTER_PORT" not in env:
+                raise ConfigError(
+                    [
+                        ConfigProblem(
+                            "MASTER_PORT",
+                            None,
+                            "SLURM sets no rendezvous port; export MASTER_PORT (and "
+                            "MASTER_ADDR, the first node's address) in the batch script",
+                        )
+                    ],
+                    subject="launch environment",
+                )
+            return cls._checked(
+                rank=_int(env, "SLURM_PROCID"),
+                local_rank=_int(env, "SLURM_LOCALID") if "SLURM_LOCALID" in env else 0,
+                world_size=_int(env, "SLURM_NTASKS"),
+                local_world_size=(
+                    _int(env, "SLURM_NTASKS_PER_NODE")
+                    if env.get("SLURM_NTASKS_PER_NODE", "").isdigit()
+                    else 1
+                ),
+                master_addr=env.get("MASTER_ADDR", env.get("SLURM_LAUNCH_NODE_IPADDR", "")),
+                master_port=_int(env, "MASTER_PORT"),
+                launcher="slurm",
+            )
+        return cls(0, 0, 1, 1, "127.0.0.1", 0, "single")
+
+    @classmethod
+    def _checked(cls, **values: object) -> LaunchEnv:
+        launch = cls(**values)  # type: ignore[arg-type]
+        if launch.world_size < 1 or not 0 <= launch.rank < launch.world_size:
+            raise ConfigError(
+                [
+                    ConfigProblem(
+                        "RANK",
+                        launch.rank,
+                        f"must lie in [0, WORLD_SIZE={launch.world_size}) "
+                        f"(launcher {launch.launcher})",
+                    )
+                ],
+                subject="launch environment",
+            )
+        if launch.launcher == "slurm" and not launch.master_addr:
+            raise ConfigError(
+                [ConfigProblem("MASTER_ADDR", None, "export the first node's address")],
+                subject="launch environment",
+            )
+        return launch
+
+
+def resolve_device(choice: str) -> torch.device:
+    """``auto`` -> CUDA when available, else CPU; ``cuda`` without CUDA is an error."""
+    if choice == "cpu":
+        return torch.device("cpu")
+    has_cuda = torch.cuda.is_available()
+    if choice == "cuda" and not has_cuda:
+        raise ConfigError(
+            [
+                ConfigProblem(
+                    "device", "cuda", "CUDA is not available here", accepted="'auto' or 'cpu'"
+                )
+            ]
+        )
+    return torch.device("cuda") if has_cuda else torch.device("cpu")
+
+
+def process_group_backend(device: torch.device) -> str:
+    """gloo for CPU tensors; on CUDA also NCCL for CUDA tensors (CPU ones keep gloo)."""
+    return "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
+
+
+def init_process_group(
+    launch: LaunchEnv, device: torch.device, timeout: datetime.timedelta | None = None
+) -> bool:
+    """Join (or create) the default process group. Returns whether this call created it."""
+    if dist.is_initialized():
+        if dist.get_world_size() != launch.world_size:
+            raise RuntimeError(
+                f"a process group of world size {dist.get_world_size()} already exists, but "
+                f"the launcher ({launch.launcher}) says WORLD_SIZE={launch.world_size}"
+            )
+        return False
+    port = launch.master_port or find_free_port()
+    os.environ.setdefault("MASTER_ADDR", launch.master_addr)
+    os.environ.setdefault("MASTER_PORT", str(port))
+    if device.type == "cuda":
+        torch.cuda.set_device(launch.local_rank % max(1, torch.cuda.device_count()))
+    dist.init_process_group(
+        backend=process_group_backend(device),
+        init_method=f"tcp://{launch.master_addr}:{os.environ['MASTER_PORT']}",
+        rank=launch.rank,
+        world_size=launch.world_size,
+        timeout=timeout or DEFAULT_TIMEOUT,
+    )
+    logger.debug(
+        "rank %d/%d joined %s group via %s",
+        launch.rank,
+        launch.world_size,
+        process_group_backend(device),
+        launch.launcher,
+    )
+    return True

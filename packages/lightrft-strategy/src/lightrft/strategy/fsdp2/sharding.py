@@ -1,0 +1,69 @@
+"""How FSDP2 lays a model over the ranks: which blocks, which mesh, which dtypes."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": None}
+
+
+def wrap_targets(model: nn.Module, class_names: list[str] | None) -> list[nn.Module]:
+    """The blocks to shard one by one: modules whose class is in ``class_names`` (else
+    the model's ``_no_split_modules``); with neither, every element of every
+    ``nn.ModuleList`` (a transformer's layers)."""
+    names = class_names or list(getattr(model, "_no_split_modules", None) or [])
+    if names:
+        wanted = set(names)
+        found = [m for m in model.modules() if m is not model and type(m).__name__ in wanted]
+        if not found:
+            present = sorted({type(m).__name__ for m in model.modules()})
+            raise ValueError(
+                f"fsdp_wrap_modules={sorted(wanted)} matches no module of "
+                f"{type(model).__name__}; its module classes are: {', '.join(present)}"
+            )
+        return found
+    return [block for m in model.modules() if isinstance(m, nn.ModuleList) for block in m]
+
+
+def build_mesh(world_size: int, shard_size: int | None, device_type: str) -> DeviceMesh:
+    """1-D mesh (shard over every rank) or, with ``shard_size``, the 2-D HSDP mesh
+    (``replicate`` x ``shard``): shard within groups of ``shard_size`` ranks."""
+    if shard_size is None or shard_size == world_size:
+        return init_device_mesh(device_type, (world_size,), mesh_dim_names=("shard",))
+    return init_device_mesh(
+        device_type, (world_size // shard_size, shard_size), mesh_dim_names=("replicate", "shard")
+    )
+
+
+def mixed_precision(precision: str) -> MixedPrecisionPolicy:
+    """Compute in ``precision``; reduce gradients in fp32."""
+    param_dtype = _DTYPES[precision]
+    if param_dtype is None:
+        return MixedPrecisionPolicy()
+    return MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+
+
+def shard_model(
+    model: nn.Module,
+    *,
+    mesh: DeviceMesh,
+    precision: str,
+    cpu_offload: bool,
+    reshard_after_forward: bool,
+    class_names: list[str] | None,
+) -> nn.Module:
+    """``fully_shard`` each block, then the root (which holds what is left)."""
+    options = {
+        "mesh": mesh,
+        "mp_policy": mixed_precision(precision),
+        "reshard_after_forward": reshard_after_forward,
+    }
+    if cpu_offload:
+        options["offload_policy"] = CPUOffloadPolicy()
+    for block in wrap_targets(model, class_names):
+        fully_shard(block, **options)  # type: ignore[arg-type]
+    fully_shard(model, **options)  # type: ignore[arg-type]
+    return model

@@ -1,0 +1,185 @@
+"""`FSDP2Strategy`: StrategyBase over ``torch.distributed.fsdp.fully_shard``."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
+
+from lightrft.strategy.base import StrategyBase, Triple
+from lightrft.strategy.checkpoint.safe_io import SafeFileSystemReader
+from lightrft.strategy.fsdp2.sharding import build_mesh, shard_model
+
+logger = logging.getLogger(__name__)
+
+DCP_DIR = "dcp"
+
+
+class FSDP2Strategy(StrategyBase):
+    """Shards every model with FSDP2 over a 1-D mesh (or the HSDP 2-D mesh when
+    ``fsdp_shard_size`` is set), per transformer block and at the root.
+
+    Mixed precision follows ``precision``/``bf16`` (gradients reduced in fp32);
+    ``fsdp_cpu_offload`` offloads parameters to CPU. Checkpoints go through
+    ``torch.distributed.checkpoint``, so a checkpoint saved at one world size loads
+    at another.
+    """
+
+    backend_name = "fsdp2"
+
+    def __init__(self, config: Any = None, /, **overrides: Any) -> None:
+        super().__init__(config, **overrides)
+        self.mesh: Any = None
+        self._broadcast_from_rank0 = False
+
+    def _after_setup(self) -> None:
+        self.mesh = build_mesh(self.world_size, self.config.fsdp_shard_size, self.device.type)
+
+    # -- wrapping ------------------------------------------------------------------------
+    def _shard(self, model: nn.Module) -> nn.Module:
+        if isinstance(model, FSDPModule):
+            return model
+        if self.mesh is None:
+            raise RuntimeError("call strategy.setup_distributed() before preparing models")
+        rank0_state = None
+        if self._broadcast_from_rank0 and self.is_rank_0():
+            rank0_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        shard_model(
+            model,
+            mesh=self.mesh,
+            precision=self.config.resolved_precision,
+            cpu_offload=self.config.fsdp_cpu_offload,
+            reshard_after_forward=self.config.fsdp_reshard_after_forward,
+            class_names=self.config.fsdp_wrap_modules,
+        )
+        if self._broadcast_from_rank0:
+            self._load_rank0_weights(model, rank0_state)
+        return model
+
+    def _load_rank0_weights(self, model: nn.Module, state: dict[str, torch.Tensor] | None) -> None:
+        """After meta-device initialisation: allocate, then take rank 0's weights."""
+        if not self.is_rank_0():
+            model.to_empty(device=self.device if not self.config.fsdp_cpu_offload else "cpu")
+        set_model_state_dict(
+            model,
+            state or {},
+            options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True),
+        )
+        for buffer in model.buffers():  # non-persistent buffers are not in the state dict
+            dist.broadcast(buffer.data, src=0)
+
+    def _model_for_optimizer(self, model: nn.Module) -> nn.Module:
+        return self._shard(model)
+
+    def _prepare_train_model(self, model: nn.Module) -> nn.Module:
+        return self._shard(model)
+
+    def _prepare_train(self, model: nn.Module, optimizer: Any, scheduler: Any) -> Triple:
+        if isinstance(model, FSDPModule):
+            return model, optimizer, scheduler
+        before = {id(p): name for name, p in model.named_parameters()}
+        self._shard(model)
+        after = dict(model.named_parameters())
+        for group in optimizer.param_groups:  # the optimizer was built before sharding
+            rebound = []
+            for param in group["params"]:
+                name = before.get(id(param))
+                if name is None or name not in after:
+                    raise ValueError(
+                        "the optimizer holds a parameter that is not the model's; build it "
+                        "with strategy.create_optimizer(model) or over model.parameters()"
+                    )
+                rebound.append(after[name])
+            group["params"] = rebound
+        if optimizer.state:
+            raise ValueError(
+                "the optimizer has already stepped; prepare the model before training it"
+            )
+        return model, optimizer, scheduler
+
+    def _prepare_eval(self, model: nn.Module) -> nn.Module:
+        self._shard(model)
+        model.eval()
+        return model
+
+    def _before_backward(self, model: nn.Module, is_last_micro_step: bool) -> None:
+        if isinstance(model, FSDPModule):
+            model.set_requires_gradient_sync(is_last_micro_step)
+
+    @contextlib.contextmanager
+    def init_model_context(self, meta_init: bool = False) -> Iterator[None]:
+        """With ``meta_init``, ranks other than 0 build models on the meta device (no
+        memory); when prepared, those models are allocated and take rank 0's weights."""
+        if not meta_init or self.world_size == 1:
+            yield
+            return
+        self._broadcast_from_rank0 = True
+        if self.is_rank_0():
+            yield
+        else:
+            with torch.device("meta"):
+                yield
+
+    # -- state -----------------------------------------------------------------------------
+    def full_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        return get_model_state_dict(
+            model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+        )
+
+    def moving_average(
+        self, model: nn.Module, model_ema: nn.Module, beta: float = 0.992, device: str = "cpu"
+    ) -> None:
+        """EMA on matching shards when both models are sharded alike, else on full
+        tensors gathered from the sharded model."""
+        ema_params = dict(model_ema.named_parameters())
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if name not in ema_params:
+                    raise ValueError(f"moving_average: the EMA model has no parameter {name!r}")
+                ema = ema_params[name]
+                if isinstance(param, DTensor) and isinstance(ema, DTensor):
+                    target, source = ema.to_local(), param.to_local()
+                elif isinstance(param, DTensor):
+                    target, source = ema.data, param.full_tensor()
+                else:
+                    target, source = ema.data, param.data
+                target.mul_(beta).add_(source.to(target.device, target.dtype), alpha=1 - beta)
+
+    def save_backend_state(self, model: nn.Module, optimizer: Any, directory: Path) -> None:
+        state: dict[str, Any] = {"model": get_model_state_dict(model)}
+        if optimizer is not None:
+            state["optim"] = get_optimizer_state_dict(model, optimizer)
+        dcp.save(state, storage_writer=FileSystemWriter(directory / DCP_DIR))
+
+    def load_backend_state(
+        self, model: nn.Module, optimizer: Any, directory: Path, strict: bool
+    ) -> None:
+        state: dict[str, Any] = {"model": get_model_state_dict(model)}
+        if optimizer is not None:
+            state["optim"] = get_optimizer_state_dict(model, optimizer)
+        dcp.load(
+            state,
+            storage_reader=SafeFileSystemReader(directory / DCP_DIR),
+            planner=DefaultLoadPlanner(allow_partial_load=not strict),
+        )
+        set_model_state_dict(model, state["model"], options=StateDictOptions(strict=strict))
+        if optimizer is not None:
+            set_optimizer_state_dict(model, optimizer, state["optim"])

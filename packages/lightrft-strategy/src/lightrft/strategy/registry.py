@@ -1,0 +1,100 @@
+"""Backend registry and the `get_strategy` factory.
+
+Built-in backends are named here and imported only when selected; third-party ones
+register under the ``lightrft.strategies`` entry-point group (``name =
+"package.module:StrategyClass"``) or at run time with :func:`register_backend`.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+from typing import TYPE_CHECKING, Any
+
+from lightrft.config import ENTRY_POINT_GROUP, StrategyConfig
+from lightrft.config.backends import canonical_backend_name
+
+if TYPE_CHECKING:
+    from lightrft.strategy.base import StrategyBase
+
+logger = logging.getLogger(__name__)
+
+#: name -> ("module:Class", the distribution/extra that provides it)
+BUILTIN: dict[str, tuple[str, str]] = {
+    "fsdp2": ("lightrft.strategy.fsdp2:FSDP2Strategy", "lightrft-strategy"),
+    "deepspeed": ("lightrft.strategy.deepspeed:DeepspeedStrategy", "lightrft-strategy[deepspeed]"),
+    "fake": ("lightrft.testing:FakeStrategy", "lightrft-testing"),
+}
+_registered: dict[str, Any] = {}
+
+
+class UnknownBackendError(KeyError):
+    """No backend of that name; the message lists the valid ones."""
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+
+def register_backend(name: str, strategy: type[StrategyBase] | str) -> None:
+    """Register ``strategy`` (a class, or ``"module:Class"``) under ``name`` for this run."""
+    _registered[canonical_backend_name(name)] = strategy
+
+
+def available_backends() -> list[str]:
+    """Every name :func:`get_strategy` accepts: built-ins, entry points, registered."""
+    from importlib.metadata import entry_points
+
+    names = set(BUILTIN) | set(_registered)
+    names |= {ep.name for ep in entry_points(group=ENTRY_POINT_GROUP)}
+    return sorted(names)
+
+
+def _load(target: str, provider: str, name: str) -> type[StrategyBase]:
+    module_name, _, attr = target.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ImportError(
+            f"backend {name!r} needs {provider} (import of {module_name} failed: {exc}); "
+            f"install it with: pip install '{provider}'"
+        ) from exc
+    try:
+        cls: type[StrategyBase] = getattr(module, attr)
+    except AttributeError:
+        raise ImportError(
+            f"backend {name!r}: {module_name} has no {attr}; upgrade {provider}"
+        ) from None
+    return cls
+
+
+def get_backend(name: str) -> type[StrategyBase]:
+    """The strategy class registered as ``name`` (aliases like ``fsdp`` accepted)."""
+    from importlib.metadata import entry_points
+
+    key = canonical_backend_name(name)
+    if key in _registered:
+        found = _registered[key]
+        return _load(found, found, key) if isinstance(found, str) else found  # type: ignore[no-any-return]
+    if key in BUILTIN:
+        return _load(*BUILTIN[key], key)
+    for ep in entry_points(group=ENTRY_POINT_GROUP, name=key):
+        return _load(ep.value, ep.dist.name if ep.dist else ep.value, key)
+    raise UnknownBackendError(
+        f"unknown strategy backend {name!r}; available: {', '.join(available_backends())}. "
+        f"Third-party backends register under the {ENTRY_POINT_GROUP!r} entry-point group."
+    )
+
+
+def get_strategy(args: Any = None, /, **overrides: Any) -> StrategyBase:
+    """Build the configured strategy from a StrategyConfig, an argparse namespace or a
+    mapping. The backend is ``backend`` when set, else FSDP2 when ``fsdp`` is true and
+    DeepSpeed otherwise (upstream's rule). ``setup_distributed`` is left to the caller,
+    as upstream."""
+    if isinstance(args, StrategyConfig) and not overrides:
+        config = args
+    else:
+        config = StrategyConfig.from_args(args, **overrides)
+    cls = get_backend(config.resolved_backend)
+    strategy = cls(config)
+    strategy.args = args if args is not None else config
+    return strategy
