@@ -321,3 +321,13 @@ def test_sampler_must_match_dataset() -> None:
 def test_iterable_dataset_rejected() -> None:
     with pytest.raises(TypeError, match="map-style"):
         build_dataloader(_Stream(), 2, num_replicas=1, rank=0)
+
+
+def test_iterating_does_not_consume_the_global_torch_rng() -> None:
+    loader = build_dataloader(list(range(16)), 2, num_replicas=1, rank=0, seed=3)
+    torch.manual_seed(0)
+    expected = torch.rand(3)
+    torch.manual_seed(0)
+    for _ in range(2):
+        next(iter(loader))
+    assert torch.equal(torch.rand(3), expected)

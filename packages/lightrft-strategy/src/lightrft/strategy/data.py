@@ -183,6 +183,10 @@ class ResumableDataLoader(DataLoader[Any]):
             collate_fn=collate_fn,
             pin_memory=pin_memory,
             num_workers=num_workers,
+            # DataLoader draws its workers' base seed at every iter(); from its own
+            # generator that draw leaves the global torch RNG alone, so a resumed run
+            # (which calls iter() once more) keeps the RNG stream of an unbroken one.
+            generator=torch.Generator().manual_seed(sampler.seed * 1_000_003 + sampler.rank),
         )
         self._sampler = sampler
         self._micro_batch_size = batch_size
