@@ -91,10 +91,10 @@ class StrategyBase(ABC):
         torchrun/SLURM), pick the device, check world-size dependent settings, seed."""
         self.launch = distributed.LaunchEnv.from_environ()
         self.device = distributed.resolve_device(self.config.device)
+        self.config.validate_world_size(self.launch.world_size)  # before any rendezvous
         self._owns_process_group = distributed.init_process_group(
             self.launch, self.device, timeout
         )
-        self.config.validate_world_size(self.world_size)
         self.accumulated_gradient = self.config.gradient_accumulation_steps(self.world_size)
         self.set_seed(self.config.seed)
         self._after_setup()

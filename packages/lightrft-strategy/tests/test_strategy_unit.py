@@ -1,0 +1,314 @@
+"""StrategyBase behaviour in one process: factory, registry, compatibility surface,
+launch environment, optimizer groups, schedules, stepping semantics."""
+
+from __future__ import annotations
+
+import argparse
+import math
+import subprocess
+import sys
+import textwrap
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import lightrft.strategy as strategy_pkg
+from lightrft.config import ConfigError
+from lightrft.strategy import (
+    StrategyBase,
+    StrategyConfig,
+    UnknownBackendError,
+    get_backend,
+    get_strategy,
+    register_backend,
+)
+from lightrft.strategy.distributed import LaunchEnv
+from lightrft.strategy.fsdp2 import FSDP2Strategy
+from lightrft.strategy.optim import build_scheduler, parameter_groups
+
+from . import workers
+
+
+@pytest.fixture
+def fsdp2() -> Iterator[StrategyBase]:
+    strategy = get_strategy(workers.config())
+    strategy.setup_distributed()
+    yield strategy
+    strategy.close()
+
+
+def test_compatibility_imports() -> None:
+    from lightrft.strategy import get_fake_strategy  # noqa: F401
+    from lightrft.strategy.config import StrategyConfig as Compat
+
+    assert Compat is StrategyConfig
+    assert set(strategy_pkg.__all__) >= {"get_strategy", "StrategyBase", "StrategyConfig"}
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        argparse.Namespace(fsdp=True, seed=3, pretrain="x"),
+        {"fsdp": True, "seed": 3},
+        StrategyConfig(fsdp=True, seed=3),
+        {"backend": "fsdp", "seed": 3},
+    ],
+    ids=["namespace", "dict", "config", "backend-name"],
+)
+def test_get_strategy_accepts_upstream_inputs(args: object) -> None:
+    strategy = get_strategy(args)
+    assert isinstance(strategy, FSDP2Strategy)
+    assert strategy.config.seed == 3
+    assert strategy.args is args
+
+
+def test_default_backend_is_deepspeed_and_names_the_missing_extra() -> None:
+    with pytest.raises(ImportError, match=r"pip install 'lightrft-strategy\[deepspeed\]'"):
+        get_strategy({})
+
+
+def test_get_fake_strategy_names_lightrft_testing() -> None:
+    with pytest.raises(ImportError, match="lightrft-testing"):
+        strategy_pkg.get_fake_strategy()
+
+
+def test_unknown_backend_lists_the_valid_ones() -> None:
+    with pytest.raises(UnknownBackendError, match=r"unknown strategy backend 'megatron'; available: .*deepspeed, fake, fsdp2"):
+        get_backend("megatron")
+    with pytest.raises(ConfigError, match="backend='megatron'"):
+        get_strategy({"backend": "megatron"})
+
+
+class CustomStrategy(FSDP2Strategy):
+    backend_name = "custom"
+
+
+def test_runtime_registration() -> None:
+    register_backend("custom", CustomStrategy)
+    assert get_backend("custom") is CustomStrategy
+    assert "custom" in strategy_pkg.available_backends()
+
+
+def test_entry_point_backend_is_found(tmp_path: Path) -> None:
+    """A third-party distribution registering under lightrft.strategies, for real."""
+    (tmp_path / "thirdparty_backend.py").write_text(
+        "from lightrft.strategy.fsdp2 import FSDP2Strategy\n"
+        "class ThirdParty(FSDP2Strategy):\n    backend_name = 'thirdparty'\n"
+    )
+    info = tmp_path / "thirdparty_backend-1.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: thirdparty-backend\nVersion: 1.0\n")
+    (info / "entry_points.txt").write_text(
+        "[lightrft.strategies]\nthirdparty = thirdparty_backend:ThirdParty\n"
+    )
+    code = textwrap.dedent(
+        f"""
+        import sys; sys.path.insert(0, {str(tmp_path)!r})
+        from lightrft.strategy import get_strategy, available_backends
+        s = get_strategy({{"backend": "thirdparty"}})
+        print(type(s).__name__, "thirdparty" in available_backends())
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["ThirdParty", "True"]
+
+
+def test_importing_the_package_imports_no_backend_library() -> None:
+    code = (
+        "import sys, lightrft.strategy; "
+        "print(sorted(m for m in ('deepspeed', 'vllm', 'sglang', 'transformers') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
+
+
+# -- launch environment ----------------------------------------------------------------
+def test_launch_env_from_torchrun() -> None:
+    env = {"RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2",
+           "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29999"}  # fmt: skip
+    launch = LaunchEnv.from_environ(env)
+    assert (launch.rank, launch.local_rank, launch.world_size, launch.local_world_size) == (3, 1, 4, 2)
+    assert (launch.master_addr, launch.master_port, launch.launcher) == ("10.0.0.1", 29999, "torchrun")
+
+
+def test_launch_env_from_slurm() -> None:
+    env = {"SLURM_PROCID": "5", "SLURM_LOCALID": "1", "SLURM_NTASKS": "8",
+           "SLURM_NTASKS_PER_NODE": "4", "MASTER_ADDR": "node1", "MASTER_PORT": "12345"}  # fmt: skip
+    launch = LaunchEnv.from_environ(env)
+    assert (launch.rank, launch.local_rank, launch.world_size, launch.local_world_size) == (5, 1, 8, 4)
+    assert launch.launcher == "slurm"
+
+
+def test_launch_env_single_process() -> None:
+    launch = LaunchEnv.from_environ({})
+    assert (launch.rank, launch.world_size, launch.launcher) == (0, 1, "single")
+
+
+@pytest.mark.parametrize(
+    ("env", "message"),
+    [
+        ({"RANK": "4", "WORLD_SIZE": "4"}, r"RANK=4: must lie in \[0, WORLD_SIZE=4\)"),
+        ({"RANK": "x", "WORLD_SIZE": "4"}, r"RANK='x': environment variable must be an integer"),
+        ({"SLURM_PROCID": "0", "SLURM_NTASKS": "2"}, "export MASTER_PORT"),
+    ],
+)
+def test_launch_env_errors(env: dict[str, str], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        LaunchEnv.from_environ(env)
+
+
+def test_world_size_check_runs_at_setup() -> None:
+    strategy = get_strategy(workers.config(sp_size=2))
+    with pytest.raises(ConfigError, match="sp_size=2: does not divide the world size 1"):
+        strategy.setup_distributed()
+    assert not torch.distributed.is_initialized()  # checked before any rendezvous
+
+
+def test_cuda_requested_without_cuda_is_an_error() -> None:
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    strategy = get_strategy(workers.config(device="cuda"))
+    with pytest.raises(ConfigError, match="device='cuda': CUDA is not available here"):
+        strategy.setup_distributed()
+
+
+# -- optimizer and schedule ------------------------------------------------------------
+def test_weight_decay_excludes_biases_and_norms() -> None:
+    model = workers.TinyNet()
+    decay, no_decay = parameter_groups(model, 0.1)
+    names = {id(p): n for n, p in model.named_parameters()}
+    decayed = {names[id(p)] for p in decay["params"]}
+    assert decayed and all(n.endswith(".weight") and ".norm." not in n for n in decayed)
+    assert {names[id(p)] for p in no_decay["params"]} >= {"layers.0.norm.weight", "head.bias"}
+    assert (decay["weight_decay"], no_decay["weight_decay"]) == (0.1, 0.0)
+
+
+@pytest.mark.parametrize(
+    ("kind", "at_end"),
+    [("cosine_with_min_lr", 0.1), ("cosine", 0.0), ("linear", 0.0), ("constant_with_warmup", 1.0)],
+)
+def test_schedules_warm_up_then_follow_their_shape(kind: str, at_end: float) -> None:
+    optim = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=1.0)
+    sched = build_scheduler(optim, StrategyConfig(lr_warmup_ratio=0.1, lr_scheduler=kind), 100)
+    lrs = []
+    for _ in range(100):
+        lrs.append(optim.param_groups[0]["lr"])
+        optim.step()
+        sched.step()
+    assert lrs[0] == pytest.approx(0.1)  # warmup: 10 steps
+    assert lrs[9] == pytest.approx(1.0)
+    assert optim.param_groups[0]["lr"] == pytest.approx(at_end, abs=1e-9)
+    assert all(b <= a + 1e-12 for a, b in zip(lrs[9:], lrs[10:], strict=False))
+
+
+# -- stepping semantics at world size 1 --------------------------------------------------
+def _grads_step(strategy: StrategyBase, model: nn.Module, optim: torch.optim.Optimizer, loss_scale: float) -> bool:
+    x = torch.ones(2, workers.DIM)
+    loss = model(x).pow(2).mean() * loss_scale
+    strategy.backward(loss, model, optim)
+    return strategy.optimizer_step(optim, model, None)
+
+
+def test_accumulation_steps_only_on_boundaries_and_per_model(fsdp2: StrategyBase) -> None:
+    assert fsdp2.accumulated_gradient == 4  # 8 / (2 x 1 rank)
+    actor = fsdp2.prepare_model(workers.TinyNet(), is_training=True)
+    critic = fsdp2.prepare_model(workers.TinyNet(), is_training=True)
+    a_opt, c_opt = fsdp2.create_optimizer(actor), fsdp2.create_optimizer(critic)
+    stepped = [_grads_step(fsdp2, actor, a_opt, 1.0) for _ in range(3)]
+    assert _grads_step(fsdp2, critic, c_opt, 1.0) is False  # critic counts on its own
+    stepped.append(_grads_step(fsdp2, actor, a_opt, 1.0))
+    assert stepped == [False, False, False, True]
+    assert fsdp2.step_state(actor).global_steps == 1
+    assert fsdp2.step_state(critic).global_steps == 0
+    assert all(p.grad is None for p in actor.parameters())
+
+
+def test_non_finite_gradients_skip_the_step(fsdp2: StrategyBase) -> None:
+    model = fsdp2.prepare_model(workers.TinyNet(), is_training=True)
+    optim = fsdp2.create_optimizer(model)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    results = [_grads_step(fsdp2, model, optim, math.inf) for _ in range(4)]
+    assert results == [False] * 4
+    state = fsdp2.step_state(model)
+    assert (state.skipped_steps, state.global_steps) == (1, 0)
+    assert not math.isfinite(state.last_grad_norm or 0.0)
+    for name, param in model.named_parameters():
+        assert torch.equal(param.detach(), before[name]), name
+
+
+def test_clipping_uses_one_global_norm_and_max_norm_zero_disables_it(fsdp2: StrategyBase) -> None:
+    model = fsdp2.prepare_model(workers.TinyNet(), is_training=True)
+    optim = torch.optim.SGD(model.parameters(), lr=1.0)
+    for _ in range(3):
+        fsdp2.backward(model(torch.ones(2, workers.DIM)).pow(2).mean() * 100, model, optim)
+        fsdp2.optimizer_step(optim, model, None)
+    fsdp2.backward(model(torch.ones(2, workers.DIM)).pow(2).mean() * 100, model, optim)
+    grads = [p.grad.full_tensor().clone() for p in model.parameters()]  # type: ignore[union-attr]
+    raw_norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
+    before = [p.detach().full_tensor().clone() for p in model.parameters()]  # type: ignore[attr-defined]
+    fsdp2.optimizer_step(optim, model, None)
+    after = [p.detach().full_tensor() for p in model.parameters()]  # type: ignore[attr-defined]
+    moved = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(b - a) for a, b in zip(before, after, strict=True)]))
+    assert fsdp2.step_state(model).last_grad_norm == pytest.approx(float(raw_norm), rel=1e-5)
+    assert float(moved) == pytest.approx(fsdp2.max_norm, rel=1e-4)  # SGD lr 1: step = clipped grad
+
+
+def test_offloading_the_optimizer_round_trips(fsdp2: StrategyBase) -> None:
+    model = fsdp2.prepare_model(workers.TinyNet(), is_training=True)
+    optim = fsdp2.create_optimizer(model)
+    for _ in range(4):
+        _grads_step(fsdp2, model, optim, 1.0)
+    snapshot = {k: v.full_tensor().clone() for k, v in optim.state[next(iter(optim.state))].items() if k != "step"}
+    fsdp2.maybe_offload_optimizer(optim)
+    fsdp2.maybe_load_optimizer(optim)
+    for key, value in optim.state[next(iter(optim.state))].items():
+        if key != "step":
+            assert torch.equal(value.full_tensor(), snapshot[key])
+
+
+def test_prepare_shapes(fsdp2: StrategyBase) -> None:
+    model, opt, sched = workers.TinyNet(), None, None
+    opt = torch.optim.AdamW(model.parameters())
+    triple = fsdp2.prepare((model, opt, sched))
+    assert isinstance(triple, tuple) and triple[0] is model
+    assert all(p.__class__.__name__ == "DTensor" for g in opt.param_groups for p in g["params"])
+    several = fsdp2.prepare(workers.TinyNet(), None, workers.TinyNet())
+    assert isinstance(several, list) and several[1] is None and not several[0].training
+    with pytest.raises(ValueError, match="takes .model, optimizer, scheduler. triples"):
+        fsdp2.prepare((workers.TinyNet(), opt))
+    (actor, a_opt, a_sched), critic, rewards, initial = fsdp2.prepare_models_and_optimizers(
+        workers.TinyNet(), None, [workers.TinyNet(), workers.TinyNet()], workers.TinyNet(), None, 10
+    )
+    assert critic == (None, None, None)
+    assert isinstance(rewards, list) and len(rewards) == 2
+    assert a_sched is not None and isinstance(a_opt, torch.optim.AdamW)
+    assert fsdp2.optimizer_of(actor) == (a_opt, a_sched)
+
+
+def test_collectives_at_world_size_one(fsdp2: StrategyBase) -> None:
+    assert fsdp2.all_reduce(3) == 3 and isinstance(fsdp2.all_reduce(3, "sum"), int)
+    assert fsdp2.all_reduce(3, "mean") == 3.0
+    assert fsdp2.all_reduce({"a": 1.5}) == {"a": 1.5}
+    out = fsdp2.all_reduce(torch.tensor([1, 2]), "max")
+    assert out.dtype == torch.int64 and out.tolist() == [1, 2]
+    assert fsdp2.all_gather(2) == [2]
+    assert fsdp2.all_gather(torch.ones(2, 3)).shape == (2, 3)
+    with pytest.raises(ValueError, match="op='avg' is not one of"):
+        fsdp2.all_reduce(1.0, "avg")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="got str"):
+        fsdp2.all_reduce("x")
+
+
+def test_print_reaches_stdout_when_logging_is_unconfigured(fsdp2: StrategyBase) -> None:
+    code = (
+        "from lightrft.strategy import get_strategy\n"
+        "s = get_strategy({'backend': 'fsdp2'})\n"
+        "s.print('hello', 3)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip() == "hello 3", out.stderr
