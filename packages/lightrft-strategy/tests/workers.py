@@ -173,3 +173,141 @@ def load_full_checkpoint(cfg: dict[str, Any], load_dir: str) -> dict[str, Any]:
     rank, world = strategy.get_rank(), strategy.world_size
     strategy.close()
     return {"state": state if rank == 0 else None, "world": world, "path": path}
+
+
+def collectives_case() -> dict[str, Any]:
+    strategy = get_strategy(config())
+    strategy.setup_distributed()
+    rank = strategy.get_rank()
+    out = {
+        "mean_int": strategy.all_reduce(rank + 1),
+        "sum_int": strategy.all_reduce(rank + 1, "sum"),
+        "max_float": strategy.all_reduce(float(rank) * 2.5, "max"),
+        "min_tensor": strategy.all_reduce(torch.tensor([rank, 10 - rank]), "min"),
+        "mean_tensor": strategy.all_reduce(torch.tensor([1.0, 3.0]) * (rank + 1)),
+        "dict": strategy.all_reduce({"loss": float(rank), "n": torch.tensor(rank + 1.0)}, "sum"),
+        "gather_uneven": strategy.all_gather(torch.full((rank + 1, 2), float(rank))),
+        "gather_scalar": strategy.all_gather(rank * 10),
+        "gather_dict": strategy.all_gather({"r": torch.tensor([rank])}),
+    }
+    strategy.close()
+    return out
+
+
+def ema_case(steps: int = 3, beta: float = 0.9) -> dict[str, Any]:
+    """EMA of a sharded model into (a) a model sharded the same way and (b) a plain
+    module, against EMA computed on full tensors."""
+    strategy = get_strategy(config())
+    strategy.setup_distributed()
+    model = TinyNet()
+    expected = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    sharded_ema, plain_ema = TinyNet(), TinyNet()  # both start as copies of the model
+    sharded_ema.load_state_dict(expected)
+    plain_ema.load_state_dict(expected)
+    sharded_ema = strategy.prepare_model(sharded_ema)
+    (actor, optim, _), *_ = strategy.prepare_models_and_optimizers(model, None, None, None, None, 10)
+    batches = iter(strategy.setup_dataloader(IndexedRegression()))
+    for _ in range(steps * strategy.accumulated_gradient):
+        _, x, y = next(batches)
+        strategy.backward(nn.functional.mse_loss(actor(x), y), actor, optim)
+        if strategy.optimizer_step(optim, actor, None):
+            current = {n: p.full_tensor() for n, p in actor.named_parameters()}  # type: ignore[attr-defined]
+            for name, value in current.items():
+                expected[name] = beta * expected[name] + (1 - beta) * value
+            strategy.moving_average(actor, sharded_ema, beta)
+            strategy.moving_average(actor, plain_ema, beta)
+    sharded = {n: p.full_tensor() for n, p in sharded_ema.named_parameters()}  # type: ignore[attr-defined]
+    plain = {n: p.detach().clone() for n, p in plain_ema.named_parameters()}
+    strategy.close()
+    params = {n for n, _ in TinyNet().named_parameters()}
+    return {
+        "sharded": sharded,
+        "plain": plain,
+        "expected": {k: v for k, v in expected.items() if k in params},
+    }
+
+
+def tiny_qwen2() -> nn.Module:
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    cfg = Qwen2Config(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64,
+        tie_word_embeddings=True,
+    )  # fmt: skip
+    return Qwen2ForCausalLM(cfg)
+
+
+def save_model_case(out_dir: str) -> dict[str, Any]:
+    """Train a tiny HF model a step under FSDP2 (sharded per decoder layer via
+    _no_split_modules), save_model, and return the sharded model's logits."""
+    strategy = get_strategy(config(train_batch_size=2, micro_train_batch_size=1))
+    strategy.setup_distributed()
+    (actor, optim, _), *_ = strategy.prepare_models_and_optimizers(
+        tiny_qwen2(), None, None, None, None, 10
+    )
+    ids = torch.arange(16).reshape(1, 16) % 128
+    loss = actor(input_ids=ids, labels=ids).loss
+    strategy.backward(loss, actor, optim)
+    stepped = strategy.optimizer_step(optim, actor, None)
+    wrapped = sorted({type(m).__name__ for m in actor.modules() if type(m).__name__.startswith("FSDP")})
+    strategy.save_model(actor, None, out_dir)
+    actor.eval()
+    with torch.no_grad():
+        logits = actor(input_ids=ids).logits
+    strategy.close()
+    return {"logits": logits, "stepped": stepped, "wrapped": wrapped}
+
+
+def rotation_case(save_dir: str, saves: int, max_num: int) -> list[str]:
+    strategy = get_strategy(config())
+    strategy.setup_distributed()
+    (actor, optim, _), *_ = strategy.prepare_models_and_optimizers(TinyNet(), None, None, None, None, 10)
+    batches = iter(strategy.setup_dataloader(IndexedRegression()))
+    tags = []
+    for _ in range(saves):
+        for _ in range(strategy.accumulated_gradient):
+            _, x, y = next(batches)
+            strategy.backward(nn.functional.mse_loss(actor(x), y), actor, optim)
+            strategy.optimizer_step(optim, actor, None)
+        tags.append(strategy.save_ckpt(actor, save_dir, max_num=max_num).name)
+    strategy.close()
+    return tags
+
+
+def killed_save_case(save_dir: str, kill_in: str) -> None:
+    """Save step 1, then die (SIGKILL) in the middle of saving step 2."""
+    import os
+    import signal
+
+    from lightrft.strategy.checkpoint import layout
+
+    strategy = get_strategy(config())
+    strategy.setup_distributed()
+    (actor, optim, _), *_ = strategy.prepare_models_and_optimizers(TinyNet(), None, None, None, None, 10)
+    for _ in range(strategy.accumulated_gradient):
+        strategy.backward(actor(torch.ones(2, DIM)).pow(2).mean(), actor, optim)
+        strategy.optimizer_step(optim, actor, None)
+    strategy.save_ckpt(actor, save_dir, tag="step1")
+
+    def die(*_: Any, **__: Any) -> None:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    if kill_in == "backend_state":  # after the model state is on disk, before the rest
+        original = type(strategy).save_backend_state
+
+        def save_then_die(self: Any, *args: Any) -> None:
+            original(self, *args)
+            die()
+
+        type(strategy).save_backend_state = save_then_die  # type: ignore[method-assign]
+    else:  # commit: metadata written, directory not yet renamed
+        real_replace = os.replace
+
+        def replace_then_die(src: Any, dst: Any) -> None:
+            if str(src).endswith(".partial"):
+                die()
+            real_replace(src, dst)
+
+        layout.os.replace = replace_then_die  # type: ignore[assignment]
+    strategy.save_ckpt(actor, save_dir, tag="step2")

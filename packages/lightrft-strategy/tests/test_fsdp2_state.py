@@ -1,0 +1,76 @@
+"""FSDP2 on 2 real gloo ranks: collectives, EMA, HF export, checkpoint rotation and
+saves killed half-way."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from lightrft.strategy.checkpoint.layout import LATEST_FILE, METADATA_FILE
+from lightrft.testing.launcher import RankFailure, run_distributed
+
+from . import workers
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def test_collectives_keep_types_and_shapes() -> None:
+    r0, r1 = run_distributed(workers.collectives_case, 2, init_process_group=False)
+    assert r0["mean_int"] == 1.5 and isinstance(r0["mean_int"], float)
+    assert r0["sum_int"] == 3 and isinstance(r0["sum_int"], int)
+    assert r1["max_float"] == 2.5
+    assert r0["min_tensor"].tolist() == [0, 9] and r0["min_tensor"].dtype == torch.int64
+    assert r1["mean_tensor"].tolist() == [1.5, 4.5]
+    assert r0["dict"]["loss"] == 1.0 and r0["dict"]["n"].item() == 3.0
+    assert r1["gather_uneven"].tolist() == [[0.0, 0.0], [1.0, 1.0], [1.0, 1.0]]
+    assert r0["gather_scalar"] == [0, 10]
+    assert r0["gather_dict"]["r"].tolist() == [0, 1]
+
+
+def test_ema_of_sharded_model_equals_ema_on_full_tensors() -> None:
+    result = run_distributed(workers.ema_case, 2, init_process_group=False)[0]
+    workers.assert_states_close(result["sharded"], result["expected"], rtol=1e-6, atol=1e-7)
+    workers.assert_states_close(result["plain"], result["expected"], rtol=1e-6, atol=1e-7)
+
+
+def test_save_model_writes_hf_safetensors_that_reload_identically(tmp_path: Path) -> None:
+    import transformers
+
+    out = tmp_path / "hf"
+    ranks = run_distributed(workers.save_model_case, 2, str(out), init_process_group=False)
+    assert ranks[0]["stepped"] is True
+    assert any(name.startswith("FSDP") for name in ranks[0]["wrapped"])
+    assert {p.name for p in out.iterdir()} >= {"config.json", "model.safetensors"}
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    with torch.no_grad():
+        logits = reloaded(input_ids=torch.arange(16).reshape(1, 16) % 128).logits
+    torch.testing.assert_close(logits, ranks[0]["logits"], rtol=1e-5, atol=1e-5)
+
+
+def test_rotation_keeps_the_newest_and_latest_names_it(tmp_path: Path) -> None:
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "keep.txt").write_text("not a checkpoint")
+    tags = run_distributed(workers.rotation_case, 2, str(tmp_path), 4, 2, init_process_group=False)[0]
+    assert tags == ["global_step1", "global_step2", "global_step3", "global_step4"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "global_step3", "global_step4", LATEST_FILE, "notes",
+    ]  # fmt: skip
+    assert (tmp_path / LATEST_FILE).read_text().strip() == "global_step4"
+    meta = json.loads((tmp_path / "global_step4" / METADATA_FILE).read_text())
+    assert (meta["backend"], meta["world_size"], meta["global_step"]) == ("fsdp2", 2, 4)
+
+
+@pytest.mark.parametrize("kill_in", ["backend_state", "commit"])
+def test_save_killed_half_way_leaves_the_previous_checkpoint_loadable(
+    tmp_path: Path, kill_in: str
+) -> None:
+    with pytest.raises(RankFailure, match="SIGKILL"):
+        run_distributed(workers.killed_save_case, 1, str(tmp_path), kill_in, init_process_group=False)
+    assert (tmp_path / LATEST_FILE).read_text().strip() == "step1"
+    assert (tmp_path / ".step2.partial").is_dir()
+    loaded = run_distributed(workers.load_full_checkpoint, 1, workers.config(), str(tmp_path),
+                             init_process_group=False)  # fmt: skip
+    assert loaded[0]["path"].endswith("step1")
