@@ -23,7 +23,9 @@ nox.needs_version = ">=2025.2.9"
 nox.options.default_venv_backend = "uv"
 nox.options.reuse_existing_virtualenvs = True
 # `nox` with no -s runs the whole test suite: README's test command.
-nox.options.sessions = ["lint", "typecheck", "config", "packages", "demo"]
+nox.options.sessions = [
+    "lint", "typecheck", "config", "strategy", "testing", "packages", "demo",
+]  # fmt: skip
 
 
 def _expose_pyenv_interpreters() -> None:
@@ -68,6 +70,23 @@ def config(session: nox.Session) -> None:
     sync(session, "lightrft-config", "--extra", "yaml", "--group", "test")
     session.chdir(ROOT / "packages" / "lightrft-config")
     session.run("pytest", "-q", *session.posargs)
+
+
+@nox.session(python=DEFAULT_PYTHON)
+@nox.parametrize("backend", ["fsdp2"], ids=["fsdp2"])
+def strategy(session: nox.Session, backend: str) -> None:
+    """lightrft-strategy's tests for one backend: real processes on a gloo group (CPU)."""
+    sync(session, "lightrft-strategy", "--group", "test")
+    session.chdir(ROOT / "packages" / "lightrft-strategy")
+    session.run("pytest", "-q", "-p", "no:cacheprovider", *session.posargs)
+
+
+@nox.session(python=DEFAULT_PYTHON)
+def testing(session: nox.Session) -> None:
+    """lightrft-testing's tests (the multi-rank launcher, with real processes)."""
+    sync(session, "lightrft-testing", "--group", "test")
+    session.chdir(ROOT / "packages" / "lightrft-testing")
+    session.run("pytest", "-q", "-p", "no:cacheprovider", *session.posargs)
 
 
 @nox.session(python=DEFAULT_PYTHON)

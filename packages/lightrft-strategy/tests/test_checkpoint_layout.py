@@ -21,7 +21,9 @@ from lightrft.strategy.checkpoint.layout import LATEST_FILE, METADATA_FILE
 from lightrft.strategy.checkpoint.safe_io import SafeFileSystemReader, check_plain
 
 
-def save(ckpt: CheckpointDir, tag: str, payload: bytes = b"x" * 100, backend: str = "fsdp2") -> Path:
+def save(
+    ckpt: CheckpointDir, tag: str, payload: bytes = b"x" * 100, backend: str = "fsdp2"
+) -> Path:
     staging = ckpt.begin(tag)
     (staging / "state.bin").write_bytes(payload)
     return ckpt.commit(tag, staging, {"backend": backend, "world_size": 1})
@@ -102,14 +104,16 @@ def test_truncated_file_is_detected(ckpt: CheckpointDir) -> None:
     path = save(ckpt, "step1", b"z" * 64)
     with open(path / "state.bin", "r+b") as handle:
         handle.truncate(10)
-    with pytest.raises(IncompleteCheckpointError, match=r"state.bin has 10 bytes, but 64 were saved"):
+    with pytest.raises(
+        IncompleteCheckpointError, match=r"state.bin has 10 bytes, but 64 were saved"
+    ):
         ckpt.resolve(None, backend="fsdp2")
 
 
 def test_missing_file_and_missing_metadata_are_detected(ckpt: CheckpointDir) -> None:
     path = save(ckpt, "step1")
     (path / "state.bin").unlink()
-    with pytest.raises(IncompleteCheckpointError, match="missing state.bin"):
+    with pytest.raises(IncompleteCheckpointError, match=r"missing state\.bin"):
         ckpt.resolve(None, backend="fsdp2")
     (path / METADATA_FILE).unlink()
     with pytest.raises(IncompleteCheckpointError, match="save did not finish"):
@@ -125,7 +129,9 @@ def test_corrupt_metadata_is_detected(ckpt: CheckpointDir) -> None:
 
 def test_other_backend_is_refused_with_the_fix(ckpt: CheckpointDir) -> None:
     save(ckpt, "step1", backend="deepspeed")
-    with pytest.raises(ForeignCheckpointError, match=r"saved by the 'deepspeed' backend.*backend='deepspeed'"):
+    with pytest.raises(
+        ForeignCheckpointError, match=r"saved by the 'deepspeed' backend.*backend='deepspeed'"
+    ):
         ckpt.resolve(None, backend="fsdp2")
 
 

@@ -53,7 +53,9 @@ def test_save_model_writes_hf_safetensors_that_reload_identically(tmp_path: Path
 def test_rotation_keeps_the_newest_and_latest_names_it(tmp_path: Path) -> None:
     (tmp_path / "notes").mkdir()
     (tmp_path / "notes" / "keep.txt").write_text("not a checkpoint")
-    tags = run_distributed(workers.rotation_case, 2, str(tmp_path), 4, 2, init_process_group=False)[0]
+    tags = run_distributed(workers.rotation_case, 2, str(tmp_path), 4, 2, init_process_group=False)[
+        0
+    ]
     assert tags == ["global_step1", "global_step2", "global_step3", "global_step4"]
     assert sorted(p.name for p in tmp_path.iterdir()) == [
         "global_step3", "global_step4", LATEST_FILE, "notes",
@@ -68,7 +70,9 @@ def test_save_killed_half_way_leaves_the_previous_checkpoint_loadable(
     tmp_path: Path, kill_in: str
 ) -> None:
     with pytest.raises(RankFailure, match="SIGKILL"):
-        run_distributed(workers.killed_save_case, 1, str(tmp_path), kill_in, init_process_group=False)
+        run_distributed(
+            workers.killed_save_case, 1, str(tmp_path), kill_in, init_process_group=False
+        )
     assert (tmp_path / LATEST_FILE).read_text().strip() == "step1"
     assert (tmp_path / ".step2.partial").is_dir()
     loaded = run_distributed(workers.load_full_checkpoint, 1, workers.config(), str(tmp_path),

@@ -4,6 +4,7 @@ launch environment, optimizer groups, schedules, stepping semantics."""
 from __future__ import annotations
 
 import argparse
+import itertools
 import math
 import subprocess
 import sys
@@ -76,7 +77,10 @@ def test_get_fake_strategy_names_lightrft_testing() -> None:
 
 
 def test_unknown_backend_lists_the_valid_ones() -> None:
-    with pytest.raises(UnknownBackendError, match=r"unknown strategy backend 'megatron'; available: .*deepspeed, fake, fsdp2"):
+    with pytest.raises(
+        UnknownBackendError,
+        match=r"unknown strategy backend 'megatron'; available: .*deepspeed, fake, fsdp2",
+    ):
         get_backend("megatron")
     with pytest.raises(ConfigError, match="backend='megatron'"):
         get_strategy({"backend": "megatron"})
@@ -100,7 +104,9 @@ def test_entry_point_backend_is_found(tmp_path: Path) -> None:
     )
     info = tmp_path / "thirdparty_backend-1.0.dist-info"
     info.mkdir()
-    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: thirdparty-backend\nVersion: 1.0\n")
+    (info / "METADATA").write_text(
+        "Metadata-Version: 2.1\nName: thirdparty-backend\nVersion: 1.0\n"
+    )
     (info / "entry_points.txt").write_text(
         "[lightrft.strategies]\nthirdparty = thirdparty_backend:ThirdParty\n"
     )
@@ -120,7 +126,8 @@ def test_entry_point_backend_is_found(tmp_path: Path) -> None:
 def test_importing_the_package_imports_no_backend_library() -> None:
     code = (
         "import sys, lightrft.strategy; "
-        "print(sorted(m for m in ('deepspeed', 'vllm', 'sglang', 'transformers') if m in sys.modules))"
+        "heavy = ('deepspeed', 'vllm', 'sglang', 'transformers'); "
+        "print(sorted(m for m in heavy if m in sys.modules))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
@@ -132,15 +139,31 @@ def test_launch_env_from_torchrun() -> None:
     env = {"RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2",
            "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29999"}  # fmt: skip
     launch = LaunchEnv.from_environ(env)
-    assert (launch.rank, launch.local_rank, launch.world_size, launch.local_world_size) == (3, 1, 4, 2)
-    assert (launch.master_addr, launch.master_port, launch.launcher) == ("10.0.0.1", 29999, "torchrun")
+    assert (launch.rank, launch.local_rank, launch.world_size, launch.local_world_size) == (
+        3,
+        1,
+        4,
+        2,
+    )
+    assert (launch.master_addr, launch.master_port, launch.launcher) == (
+        "10.0.0.1",
+        29999,
+        "torchrun",
+    )
 
 
 def test_launch_env_from_slurm() -> None:
-    env = {"SLURM_PROCID": "5", "SLURM_LOCALID": "1", "SLURM_NTASKS": "8",
-           "SLURM_NTASKS_PER_NODE": "4", "MASTER_ADDR": "node1", "MASTER_PORT": "12345"}  # fmt: skip
+    env = {
+        "SLURM_PROCID": "5", "SLURM_LOCALID": "1", "SLURM_NTASKS": "8",
+        "SLURM_NTASKS_PER_NODE": "4", "MASTER_ADDR": "node1", "MASTER_PORT": "12345",
+    }  # fmt: skip
     launch = LaunchEnv.from_environ(env)
-    assert (launch.rank, launch.local_rank, launch.world_size, launch.local_world_size) == (5, 1, 8, 4)
+    assert (launch.rank, launch.local_rank, launch.world_size, launch.local_world_size) == (
+        5,
+        1,
+        8,
+        4,
+    )
     assert launch.launcher == "slurm"
 
 
@@ -203,11 +226,13 @@ def test_schedules_warm_up_then_follow_their_shape(kind: str, at_end: float) -> 
     assert lrs[0] == pytest.approx(0.1)  # warmup: 10 steps
     assert lrs[9] == pytest.approx(1.0)
     assert optim.param_groups[0]["lr"] == pytest.approx(at_end, abs=1e-9)
-    assert all(b <= a + 1e-12 for a, b in zip(lrs[9:], lrs[10:], strict=False))
+    assert all(b <= a + 1e-12 for a, b in itertools.pairwise(lrs[9:]))
 
 
 # -- stepping semantics at world size 1 --------------------------------------------------
-def _grads_step(strategy: StrategyBase, model: nn.Module, optim: torch.optim.Optimizer, loss_scale: float) -> bool:
+def _grads_step(
+    strategy: StrategyBase, model: nn.Module, optim: torch.optim.Optimizer, loss_scale: float
+) -> bool:
     x = torch.ones(2, workers.DIM)
     loss = model(x).pow(2).mean() * loss_scale
     strategy.backward(loss, model, optim)
@@ -253,7 +278,9 @@ def test_clipping_uses_one_global_norm_and_max_norm_zero_disables_it(fsdp2: Stra
     before = [p.detach().full_tensor().clone() for p in model.parameters()]  # type: ignore[attr-defined]
     fsdp2.optimizer_step(optim, model, None)
     after = [p.detach().full_tensor() for p in model.parameters()]  # type: ignore[attr-defined]
-    moved = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(b - a) for a, b in zip(before, after, strict=True)]))
+    moved = torch.linalg.vector_norm(
+        torch.stack([torch.linalg.vector_norm(b - a) for a, b in zip(before, after, strict=True)])
+    )
     assert fsdp2.step_state(model).last_grad_norm == pytest.approx(float(raw_norm), rel=1e-5)
     assert float(moved) == pytest.approx(fsdp2.max_norm, rel=1e-4)  # SGD lr 1: step = clipped grad
 
@@ -263,7 +290,11 @@ def test_offloading_the_optimizer_round_trips(fsdp2: StrategyBase) -> None:
     optim = fsdp2.create_optimizer(model)
     for _ in range(4):
         _grads_step(fsdp2, model, optim, 1.0)
-    snapshot = {k: v.full_tensor().clone() for k, v in optim.state[next(iter(optim.state))].items() if k != "step"}
+    snapshot = {
+        k: v.full_tensor().clone()
+        for k, v in optim.state[next(iter(optim.state))].items()
+        if k != "step"
+    }
     fsdp2.maybe_offload_optimizer(optim)
     fsdp2.maybe_load_optimizer(optim)
     for key, value in optim.state[next(iter(optim.state))].items():
@@ -279,9 +310,9 @@ def test_prepare_shapes(fsdp2: StrategyBase) -> None:
     assert all(p.__class__.__name__ == "DTensor" for g in opt.param_groups for p in g["params"])
     several = fsdp2.prepare(workers.TinyNet(), None, workers.TinyNet())
     assert isinstance(several, list) and several[1] is None and not several[0].training
-    with pytest.raises(ValueError, match="takes .model, optimizer, scheduler. triples"):
+    with pytest.raises(ValueError, match=r"takes \(model, optimizer, scheduler\) triples"):
         fsdp2.prepare((workers.TinyNet(), opt))
-    (actor, a_opt, a_sched), critic, rewards, initial = fsdp2.prepare_models_and_optimizers(
+    (actor, a_opt, a_sched), critic, rewards, _ = fsdp2.prepare_models_and_optimizers(
         workers.TinyNet(), None, [workers.TinyNet(), workers.TinyNet()], workers.TinyNet(), None, 10
     )
     assert critic == (None, None, None)

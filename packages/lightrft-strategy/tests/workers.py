@@ -123,7 +123,9 @@ def train(
     }
 
 
-def reference(cfg: dict[str, Any], steps: int, used_by_rank: list[list[list[int]]]) -> dict[str, Any]:
+def reference(
+    cfg: dict[str, Any], steps: int, used_by_rank: list[list[list[int]]]
+) -> dict[str, Any]:
     """The same training in one process with plain torch: every rank's micro-batches,
     summed with weight 1 / (micro-batches x ranks), clipped, stepped."""
     torch.manual_seed(cfg["seed"])
@@ -151,10 +153,15 @@ def reference(cfg: dict[str, Any], steps: int, used_by_rank: list[list[list[int]
         optim.step()
         optim.zero_grad()
         losses.append(total)
-    return {"losses": losses, "state": {k: v.detach().clone() for k, v in model.state_dict().items()}}
+    return {
+        "losses": losses,
+        "state": {k: v.detach().clone() for k, v in model.state_dict().items()},
+    }
 
 
-def assert_states_close(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], **tol: float) -> None:
+def assert_states_close(
+    a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], **tol: float
+) -> None:
     assert a.keys() == b.keys(), sorted(set(a) ^ set(b))
     for name in a:
         torch.testing.assert_close(a[name], b[name], msg=lambda m, n=name: f"{n}: {m}", **tol)
@@ -165,10 +172,10 @@ def load_full_checkpoint(cfg: dict[str, Any], load_dir: str) -> dict[str, Any]:
     strategy = get_strategy(cfg)
     strategy.setup_distributed()
     model = TinyNet()
-    (actor, optim, sched), *_ = strategy.prepare_models_and_optimizers(
+    (actor, _, _), *_ = strategy.prepare_models_and_optimizers(
         model, None, None, None, None, max_steps=100
     )
-    path, client = strategy.load_ckpt(actor, Path(load_dir))
+    path, _ = strategy.load_ckpt(actor, Path(load_dir))
     state = strategy.full_state_dict(actor)
     rank, world = strategy.get_rank(), strategy.world_size
     strategy.close()
@@ -205,7 +212,9 @@ def ema_case(steps: int = 3, beta: float = 0.9) -> dict[str, Any]:
     sharded_ema.load_state_dict(expected)
     plain_ema.load_state_dict(expected)
     sharded_ema = strategy.prepare_model(sharded_ema)
-    (actor, optim, _), *_ = strategy.prepare_models_and_optimizers(model, None, None, None, None, 10)
+    (actor, optim, _), *_ = strategy.prepare_models_and_optimizers(
+        model, None, None, None, None, 10
+    )
     batches = iter(strategy.setup_dataloader(IndexedRegression()))
     for _ in range(steps * strategy.accumulated_gradient):
         _, x, y = next(batches)
@@ -250,7 +259,9 @@ def save_model_case(out_dir: str) -> dict[str, Any]:
     loss = actor(input_ids=ids, labels=ids).loss
     strategy.backward(loss, actor, optim)
     stepped = strategy.optimizer_step(optim, actor, None)
-    wrapped = sorted({type(m).__name__ for m in actor.modules() if type(m).__name__.startswith("FSDP")})
+    wrapped = sorted(
+        {type(m).__name__ for m in actor.modules() if type(m).__name__.startswith("FSDP")}
+    )
     strategy.save_model(actor, None, out_dir)
     actor.eval()
     with torch.no_grad():
@@ -262,7 +273,9 @@ def save_model_case(out_dir: str) -> dict[str, Any]:
 def rotation_case(save_dir: str, saves: int, max_num: int) -> list[str]:
     strategy = get_strategy(config())
     strategy.setup_distributed()
-    (actor, optim, _), *_ = strategy.prepare_models_and_optimizers(TinyNet(), None, None, None, None, 10)
+    (actor, optim, _), *_ = strategy.prepare_models_and_optimizers(
+        TinyNet(), None, None, None, None, 10
+    )
     batches = iter(strategy.setup_dataloader(IndexedRegression()))
     tags = []
     for _ in range(saves):
@@ -284,7 +297,9 @@ def killed_save_case(save_dir: str, kill_in: str) -> None:
 
     strategy = get_strategy(config())
     strategy.setup_distributed()
-    (actor, optim, _), *_ = strategy.prepare_models_and_optimizers(TinyNet(), None, None, None, None, 10)
+    (actor, optim, _), *_ = strategy.prepare_models_and_optimizers(
+        TinyNet(), None, None, None, None, 10
+    )
     for _ in range(strategy.accumulated_gradient):
         strategy.backward(actor(torch.ones(2, DIM)).pow(2).mean(), actor, optim)
         strategy.optimizer_step(optim, actor, None)

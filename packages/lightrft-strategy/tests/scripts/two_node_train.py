@@ -1,6 +1,6 @@
 """Run under torchrun: train a few steps, checkpoint, reload; rank 0 writes a report.
 
-    torchrun --nnodes 2 --nproc-per-node 1 ... two_node_train.py OUT_DIR
+torchrun --nnodes 2 --nproc-per-node 1 ... two_node_train.py OUT_DIR
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from tests import workers  # noqa: E402
+from tests import workers
 
-from lightrft.strategy import get_strategy  # noqa: E402
+from lightrft.strategy import get_strategy
 
 
 def main(out: Path) -> None:

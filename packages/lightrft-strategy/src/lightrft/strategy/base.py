@@ -92,9 +92,7 @@ class StrategyBase(ABC):
         self.launch = distributed.LaunchEnv.from_environ()
         self.device = distributed.resolve_device(self.config.device)
         self.config.validate_world_size(self.launch.world_size)  # before any rendezvous
-        self._owns_process_group = distributed.init_process_group(
-            self.launch, self.device, timeout
-        )
+        self._owns_process_group = distributed.init_process_group(self.launch, self.device, timeout)
         self.accumulated_gradient = self.config.gradient_accumulation_steps(self.world_size)
         self.set_seed(self.config.seed)
         self._after_setup()
@@ -107,7 +105,7 @@ class StrategyBase(ABC):
             self.accumulated_gradient,
         )
 
-    def _after_setup(self) -> None:
+    def _after_setup(self) -> None:  # noqa: B027 - an optional hook
         """Backend hook run at the end of :meth:`setup_distributed`."""
 
     def close(self) -> None:
@@ -327,7 +325,9 @@ class StrategyBase(ABC):
         self._before_backward(model, is_last_micro_step=last)
         (loss / self.accumulated_gradient).backward(**kwargs)
 
-    def _before_backward(self, model: nn.Module, is_last_micro_step: bool) -> None:
+    def _before_backward(  # noqa: B027 - an optional hook
+        self, model: nn.Module, is_last_micro_step: bool
+    ) -> None:
         """Backend hook (FSDP2 skips gradient sync on all but the last micro-step)."""
 
     def optimizer_step(
@@ -432,7 +432,9 @@ class StrategyBase(ABC):
 
         state = self.full_state_dict(model)
         if self.is_rank_0():
-            write_hf_checkpoint(state, self.unwrap_model(model), Path(output_dir), tokenizer, **kwargs)
+            write_hf_checkpoint(
+                state, self.unwrap_model(model), Path(output_dir), tokenizer, **kwargs
+            )
         self.barrier()
 
     @abstractmethod

@@ -17,7 +17,9 @@ logger = logging.getLogger(__name__)
 DEFAULT_SHARD_BYTES = 5 * 2**30
 
 
-def _drop_tied_duplicates(state: dict[str, torch.Tensor], model: nn.Module) -> dict[str, torch.Tensor]:
+def _drop_tied_duplicates(
+    state: dict[str, torch.Tensor], model: nn.Module
+) -> dict[str, torch.Tensor]:
     """safetensors refuses tensors sharing memory: keep the first name of each storage,
     dropping names the model declares tied (HF re-ties them on load) and cloning others."""
     tied = set(getattr(model, "_tied_weights_keys", None) or [])

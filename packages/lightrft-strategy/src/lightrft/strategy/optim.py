@@ -13,7 +13,13 @@ from torch import nn
 from lightrft.config import StrategyConfig
 
 #: Parameter names containing one of these never get weight decay (upstream's rule).
-NO_DECAY_NAME_PARTS = ("bias", "layer_norm.weight", "layernorm.weight", "norm.weight", "ln_f.weight")
+NO_DECAY_NAME_PARTS = (
+    "bias",
+    "layer_norm.weight",
+    "layernorm.weight",
+    "norm.weight",
+    "ln_f.weight",
+)
 
 
 def _is_norm(module: nn.Module) -> bool:
@@ -59,9 +65,7 @@ def build_adamw(
     return torch.optim.AdamW(list(params), lr=lr, betas=betas, **kwargs)
 
 
-def _warmup_then(
-    step: int, *, warmup: int, total: int, kind: str, min_ratio: float
-) -> float:
+def _warmup_then(step: int, *, warmup: int, total: int, kind: str, min_ratio: float) -> float:
     if step < warmup:
         return (step + 1) / warmup
     if kind == "constant_with_warmup":

@@ -38,9 +38,7 @@ class StepStates:
     """``StepState`` per model, held weakly so a dropped model frees its entry."""
 
     def __init__(self) -> None:
-        self._states: weakref.WeakKeyDictionary[nn.Module, StepState] = (
-            weakref.WeakKeyDictionary()
-        )
+        self._states: weakref.WeakKeyDictionary[nn.Module, StepState] = weakref.WeakKeyDictionary()
 
     def __getitem__(self, model: nn.Module) -> StepState:
         state = self._states.get(model)

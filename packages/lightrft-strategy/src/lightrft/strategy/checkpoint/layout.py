@@ -159,7 +159,9 @@ class CheckpointDir:
                 meta = _read_metadata(child)
                 if meta is not None:
                     found.append(CheckpointInfo(child, child.name, meta))
-        return sorted(found, key=lambda i: (i.metadata.get("sequence", 0), i.metadata["created_ns"]))
+        return sorted(
+            found, key=lambda i: (i.metadata.get("sequence", 0), i.metadata["created_ns"])
+        )
 
     def rotate(self, max_num: int, max_mem_gib: float, keep: str) -> list[str]:
         """On rank 0: delete the oldest complete checkpoints until at most ``max_num``

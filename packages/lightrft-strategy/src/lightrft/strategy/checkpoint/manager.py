@@ -10,6 +10,7 @@ Inside a tag directory, besides what the backend writes:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 from importlib.metadata import PackageNotFoundError, version
@@ -32,10 +33,8 @@ logger = logging.getLogger(__name__)
 def _versions() -> dict[str, str]:
     found = {"torch": torch.__version__}
     for dist_name in ("lightrft-strategy", "lightrft-config", "deepspeed"):
-        try:
+        with contextlib.suppress(PackageNotFoundError):
             found[dist_name] = version(dist_name)
-        except PackageNotFoundError:
-            pass
     return found
 
 
@@ -112,9 +111,7 @@ def load_checkpoint(
     optimizer = optimizer if optimizer is not None else paired_optimizer
     scheduler = scheduler if scheduler is not None else paired_scheduler
     if load_optimizer and optimizer is not None and not info.metadata.get("has_optimizer"):
-        raise ValueError(
-            f"{info.path} holds no optimizer state; pass load_optimizer_states=False"
-        )
+        raise ValueError(f"{info.path} holds no optimizer state; pass load_optimizer_states=False")
 
     strategy.load_backend_state(model, optimizer if load_optimizer else None, info.path, strict)
     if load_scheduler and scheduler is not None and (info.path / "scheduler.pt").is_file():
