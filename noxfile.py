@@ -99,9 +99,11 @@ def lint(session: nox.Session) -> None:
 
 @nox.session(python=DEFAULT_PYTHON)
 def typecheck(session: nox.Session) -> None:
-    """mypy: strict on lightrft-config (and its tests), default elsewhere."""
-    sync(session, "lightrft-config", "--extra", "yaml", "--group", "test", "--group", "typecheck")
-    session.run("mypy", "--config-file", "pyproject.toml", "--strict", "-p", "lightrft.config")
+    """mypy --strict on every package (lightrft-config's tests too); scripts checked."""
+    sync(session, "lightrft-testing", "--group", "test", "--group", "typecheck")
+    for package in PACKAGES:
+        module = "lightrft." + package.removeprefix("lightrft-")
+        session.run("mypy", "--config-file", "pyproject.toml", "--strict", "-p", module)
     session.run(
         "mypy",
         "--config-file",

@@ -232,7 +232,7 @@ class StrategyBase(ABC):
         """Wrap each ``(model, optimizer, scheduler)`` triple for training and each plain
         model for evaluation; ``None`` passes through. One argument gives one result,
         several give a list, as upstream."""
-        results = []
+        results: list[Any] = []
         for item in models_or_model_optim_pairs:
             if item is None:
                 results.append(None)
@@ -323,7 +323,7 @@ class StrategyBase(ABC):
         state = self.step_state(model)
         last = (state.micro_steps + 1) % self.accumulated_gradient == 0
         self._before_backward(model, is_last_micro_step=last)
-        (loss / self.accumulated_gradient).backward(**kwargs)
+        (loss / self.accumulated_gradient).backward(**kwargs)  # type: ignore[no-untyped-call]
 
     def _before_backward(  # noqa: B027 - an optional hook
         self, model: nn.Module, is_last_micro_step: bool

@@ -28,7 +28,11 @@ def _drop_tied_duplicates(
     for name, tensor in state.items():
         if tensor.device.type == "meta":
             raise ValueError(f"save_model: tensor {name!r} is on the meta device (never loaded)")
-        key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape))
+        key = (
+            tensor.untyped_storage().data_ptr(),
+            int(tensor.storage_offset()),
+            tuple(int(n) for n in tensor.shape),
+        )
         if key in seen:
             if name in tied or any(name.endswith(t) for t in tied):
                 continue

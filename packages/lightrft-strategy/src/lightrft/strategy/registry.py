@@ -74,7 +74,7 @@ def get_backend(name: str) -> type[StrategyBase]:
     key = canonical_backend_name(name)
     if key in _registered:
         found = _registered[key]
-        return _load(found, found, key) if isinstance(found, str) else found  # type: ignore[no-any-return]
+        return _load(found, found, key) if isinstance(found, str) else found
     if key in BUILTIN:
         return _load(*BUILTIN[key], key)
     for ep in entry_points(group=ENTRY_POINT_GROUP, name=key):

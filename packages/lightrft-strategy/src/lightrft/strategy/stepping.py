@@ -54,7 +54,8 @@ def clip_and_check(parameters: list[nn.Parameter], max_norm: float) -> float:
     with_grad = [p for p in parameters if p.grad is not None]
     if not with_grad:
         return 0.0
-    norm = torch.nn.utils.get_total_norm([p.grad for p in with_grad], norm_type=2.0)
+    grads = [p.grad for p in with_grad if p.grad is not None]
+    norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
     full_tensor = getattr(norm, "full_tensor", None)
     value = float(full_tensor() if callable(full_tensor) else norm)
     if max_norm > 0 and math.isfinite(value):

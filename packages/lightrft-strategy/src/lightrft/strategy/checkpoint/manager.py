@@ -31,7 +31,7 @@ logger = logging.getLogger(__name__)
 
 
 def _versions() -> dict[str, str]:
-    found = {"torch": torch.__version__}
+    found = {"torch": str(torch.__version__)}
     for dist_name in ("lightrft-strategy", "lightrft-config", "deepspeed"):
         with contextlib.suppress(PackageNotFoundError):
             found[dist_name] = version(dist_name)

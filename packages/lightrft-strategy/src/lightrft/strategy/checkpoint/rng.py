@@ -16,13 +16,14 @@ def capture_rng_state() -> dict[str, Any]:
         "python": [version, list(internal), gauss],
         "torch": torch.get_rng_state(),
     }
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
+    if torch.cuda.is_available() and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
         state["cuda"] = [torch.cuda.get_rng_state(i) for i in range(torch.cuda.device_count())]
     if importlib.util.find_spec("numpy") is not None:
         import numpy as np
 
         name, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)
-        state["numpy"] = [name, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, cached]
+        as_int64 = np.asarray(keys, dtype=np.int64)
+        state["numpy"] = [name, torch.from_numpy(as_int64), pos, has_gauss, cached]
     return state
 
 

@@ -5,7 +5,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import (
+    CPUOffloadPolicy,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    fully_shard,
+)
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": None}
 
@@ -56,14 +61,13 @@ def shard_model(
     class_names: list[str] | None,
 ) -> nn.Module:
     """``fully_shard`` each block, then the root (which holds what is left)."""
-    options = {
-        "mesh": mesh,
-        "mp_policy": mixed_precision(precision),
-        "reshard_after_forward": reshard_after_forward,
-    }
-    if cpu_offload:
-        options["offload_policy"] = CPUOffloadPolicy()
-    for block in wrap_targets(model, class_names):
-        fully_shard(block, **options)  # type: ignore[arg-type]
-    fully_shard(model, **options)  # type: ignore[arg-type]
+    offload = CPUOffloadPolicy() if cpu_offload else OffloadPolicy()
+    for module in [*wrap_targets(model, class_names), model]:
+        fully_shard(
+            module,
+            mesh=mesh,
+            mp_policy=mixed_precision(precision),
+            offload_policy=offload,
+            reshard_after_forward=reshard_after_forward,
+        )
     return model

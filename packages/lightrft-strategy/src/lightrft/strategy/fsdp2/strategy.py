@@ -10,10 +10,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.filesystem import FileSystemWriter
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -21,6 +20,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
+from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
@@ -80,7 +81,7 @@ class FSDP2Strategy(StrategyBase):
             model.to_empty(device=self.device if not self.config.fsdp_cpu_offload else "cpu")
         set_model_state_dict(
             model,
-            state or {},
+            dict(state or {}),
             options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True),
         )
         for buffer in model.buffers():  # non-persistent buffers are not in the state dict
@@ -140,9 +141,10 @@ class FSDP2Strategy(StrategyBase):
 
     # -- state -----------------------------------------------------------------------------
     def full_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
-        return get_model_state_dict(
+        state = get_model_state_dict(
             model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
         )
+        return {name: value for name, value in state.items() if isinstance(value, torch.Tensor)}
 
     def moving_average(
         self, model: nn.Module, model_ema: nn.Module, beta: float = 0.992, device: str = "cpu"
@@ -167,7 +169,7 @@ class FSDP2Strategy(StrategyBase):
         state: dict[str, Any] = {"model": get_model_state_dict(model)}
         if optimizer is not None:
             state["optim"] = get_optimizer_state_dict(model, optimizer)
-        dcp.save(state, storage_writer=FileSystemWriter(directory / DCP_DIR))
+        dcp_save(state, storage_writer=FileSystemWriter(directory / DCP_DIR))
 
     def load_backend_state(
         self, model: nn.Module, optimizer: Any, directory: Path, strict: bool
@@ -175,7 +177,7 @@ class FSDP2Strategy(StrategyBase):
         state: dict[str, Any] = {"model": get_model_state_dict(model)}
         if optimizer is not None:
             state["optim"] = get_optimizer_state_dict(model, optimizer)
-        dcp.load(
+        dcp_load(
             state,
             storage_reader=SafeFileSystemReader(directory / DCP_DIR),
             planner=DefaultLoadPlanner(allow_partial_load=not strict),
