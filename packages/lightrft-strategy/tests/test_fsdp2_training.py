@@ -17,11 +17,18 @@ pytestmark = pytest.mark.timeout(300)
 
 
 @pytest.mark.parametrize(
-    "changes",
-    [{}, {"fsdp_shard_size": 1}, {"fsdp_reshard_after_forward": False}],
-    ids=["fsdp", "hsdp-replicate2", "no-reshard"],
+    ("changes", "rtol"),
+    [
+        ({}, 1e-5),
+        ({"fsdp_shard_size": 1}, 1e-5),
+        ({"fsdp_reshard_after_forward": False}, 1e-5),
+        ({"fsdp_cpu_offload": True}, 1e-5),
+        # bf16 compute, fp32 master weights and fp32 gradient reduction: close, not equal
+        ({"precision": "bf16"}, 2e-2),
+    ],
+    ids=["fsdp", "hsdp-replicate2", "no-reshard", "cpu-offload", "bf16"],
 )
-def test_fsdp2_matches_unsharded_training(changes: dict[str, object]) -> None:
+def test_fsdp2_matches_unsharded_training(changes: dict[str, object], rtol: float) -> None:
     cfg = workers.config(**changes)
     steps = 5
     ranks = run_distributed(workers.train, 2, cfg, steps, init_process_group=False)
@@ -31,8 +38,14 @@ def test_fsdp2_matches_unsharded_training(changes: dict[str, object]) -> None:
     assert not seen[0] & seen[1]
     assert max(ranks[0]["norms"]) > cfg["max_norm"], "clipping was never active"
     ref = workers.reference(cfg, steps, [r["used"] for r in ranks])
-    torch.testing.assert_close(ranks[0]["losses"], ref["losses"], rtol=1e-5, atol=1e-6)
-    workers.assert_states_close(ranks[0]["state"], ref["state"], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(ranks[0]["losses"], ref["losses"], rtol=rtol, atol=rtol / 10)
+    if rtol <= 1e-5:
+        workers.assert_states_close(ranks[0]["state"], ref["state"], rtol=rtol, atol=rtol / 10)
+    else:  # Adam turns bf16 rounding into an occasional flipped element: compare as a whole
+        for name, value in ranks[0]["state"].items():
+            error = torch.linalg.vector_norm(value - ref["state"][name])
+            assert error <= rtol * torch.linalg.vector_norm(ref["state"][name]), name
+    assert all(t.dtype == torch.float32 for t in ranks[0]["state"].values())
     assert ranks[0]["losses"][-1] < ranks[0]["losses"][0]
 
 

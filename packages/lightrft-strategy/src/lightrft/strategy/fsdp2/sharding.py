@@ -61,7 +61,9 @@ def shard_model(
     class_names: list[str] | None,
 ) -> nn.Module:
     """``fully_shard`` each block, then the root (which holds what is left)."""
-    offload = CPUOffloadPolicy() if cpu_offload else OffloadPolicy()
+    # Pinned host memory needs CUDA; on a CPU-only job the offload path still runs.
+    pin = mesh.device_type == "cuda"
+    offload = CPUOffloadPolicy(pin_memory=pin) if cpu_offload else OffloadPolicy()
     for module in [*wrap_targets(model, class_names), model]:
         fully_shard(
             module,
