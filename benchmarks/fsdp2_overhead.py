@@ -88,7 +88,8 @@ class TinyTransformer(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for layer in self.layers:
             x = layer(x)
-        return self.head(self.norm(x))
+        # (tokens, dim): a 2-D matmul, so the root's output is not a view of another tensor
+        return self.head(self.norm(x).flatten(0, 1))
 
 
 def build_model(args: argparse.Namespace) -> TinyTransformer:
@@ -113,7 +114,7 @@ class Batches:
         gen = torch.Generator().manual_seed(args.seed + 1 + rank)
         shape = (args.micro_batch, args.seq, args.dim)
         self.data = [
-            (torch.randn(shape, generator=gen), torch.randn(shape, generator=gen))
+            (torch.randn(shape, generator=gen), torch.randn(shape, generator=gen).flatten(0, 1))
             for _ in range(pool)
         ]
         self.cursor = 0

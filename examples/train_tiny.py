@@ -1,31 +1,29 @@
-"""A small end-to-end training run on CPU, configured by lightrft.config.
+"""A small end-to-end training run on CPU, through a LightRFT strategy.
 
-A two-layer causal transformer learns a token-id task (each next token is the
-previous one plus one, modulo the vocabulary) in a few seconds. Configuration is
-layered exactly as in a real trainer: examples/tiny.yaml < LIGHTRFT_* environment
-variables < command-line flags.
+A two-layer causal transformer learns a token-id task (each next token is the previous
+one plus one, modulo the vocabulary) in seconds. The configuration is layered as in a
+real trainer (examples/tiny.yaml < LIGHTRFT_* environment < flags), the strategy comes
+from `get_strategy(config)` (FSDP2 by default), and the run ends with a resumable
+checkpoint and a Hugging Face-format export under --out.
 
-    python examples/train_tiny.py --steps 60 --zero_stage 3 --seed 7
-
-The loop applies the StrategyConfig semantics one process at a time (gradient
-accumulation from the world size, global-norm clipping, AdamW with the configured
-betas and weight decay, warmup then cosine decay). It uses plain PyTorch until the
-strategy backends exist; then it will call `get_strategy(config)` instead.
+    python examples/train_tiny.py --steps 60 --seed 7
+    torchrun --nproc-per-node 2 examples/train_tiny.py        # the same on 2 ranks
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
-import math
 import sys
 import time
 from pathlib import Path
 
 import torch
 from torch import nn
+from torch.utils.data import Dataset
 
 from lightrft.config import ConfigError, StrategyConfig
+from lightrft.strategy import get_strategy
 
 log = logging.getLogger("train_tiny")
 HERE = Path(__file__).parent
@@ -44,75 +42,68 @@ class TinyCausalLM(nn.Module):
         n = ids.shape[1]
         mask = nn.Transformer.generate_square_subsequent_mask(n)
         hidden = self.blocks(self.embed(ids) + self.pos[:n], mask=mask, is_causal=True)
-        return self.head(hidden)
+        # a fresh tensor, not a view: FSDP2 hooks the root module's output for backward
+        return self.head(hidden).clone()
 
 
-def batch(generator: torch.Generator, size: int, vocab: int, length: int) -> torch.Tensor:
-    start = torch.randint(0, vocab, (size, 1), generator=generator)
-    return (start + torch.arange(length)) % vocab
+class NextTokenTask(Dataset[torch.Tensor]):
+    """Sequences start at a random token and count up modulo the vocabulary."""
+
+    def __init__(self, size: int, vocab: int, length: int, seed: int) -> None:
+        starts = torch.randint(0, vocab, (size, 1), generator=torch.Generator().manual_seed(seed))
+        self.ids = (starts + torch.arange(length)) % vocab
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        return self.ids[index]
 
 
-def warmup_cosine(step: int, total: int, warmup_ratio: float) -> float:
-    warmup = max(1, math.ceil(total * warmup_ratio))
-    if step < warmup:
-        return (step + 1) / warmup
-    progress = (step - warmup) / max(1, total - warmup)
-    return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
-
-
-def train(config: StrategyConfig, steps: int, vocab: int = 64, length: int = 16) -> float:
-    torch.manual_seed(config.seed)
-    data = torch.Generator().manual_seed(config.seed)
-    accumulation = config.gradient_accumulation_steps(world_size=1)
-    model = TinyCausalLM(vocab)
-    optimizer = torch.optim.AdamW(
-        model.parameters(),
-        lr=config.actor_learning_rate,
-        betas=config.adam_betas,
-        weight_decay=config.l2,
+def train(
+    config: StrategyConfig, steps: int, out: Path, vocab: int = 64, length: int = 16
+) -> float:
+    strategy = get_strategy(config)
+    strategy.setup_distributed()
+    config.log_summary(rank=strategy.get_rank())
+    (model, optim, sched), *_ = strategy.prepare_models_and_optimizers(
+        TinyCausalLM(vocab), None, None, None, None, max_steps=steps
     )
-    schedule = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: warmup_cosine(s, steps, config.lr_warmup_ratio)
+    loader = strategy.setup_dataloader(NextTokenTask(4096, vocab, length, config.seed))
+    strategy.print(
+        f"{strategy.backend_name} on {strategy.world_size} rank(s), {strategy.device}: "
+        f"{steps} steps of {config.train_batch_size} samples, "
+        f"{strategy.accumulated_gradient} micro-batch(es) of "
+        f"{config.micro_train_batch_size} per rank"
     )
-    log.info("%s", config.summary())
-    log.info(
-        "training %d steps: %d micro-batches of %d per step (global batch %d)",
-        steps,
-        accumulation,
-        config.micro_train_batch_size,
-        config.train_batch_size,
-    )
-    first_loss = last_loss = float("nan")
     started = time.perf_counter()
-    for step in range(steps):
-        total = 0.0
-        for _ in range(accumulation):
-            ids = batch(data, config.micro_train_batch_size, vocab, length)
-            logits = model(ids[:, :-1])
-            loss = nn.functional.cross_entropy(logits.reshape(-1, vocab), ids[:, 1:].reshape(-1))
-            (loss / accumulation).backward()
-            total += loss.item() / accumulation
-        if config.max_norm > 0:
-            nn.utils.clip_grad_norm_(model.parameters(), config.max_norm)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        schedule.step()
-        first_loss = total if step == 0 else first_loss
-        last_loss = total
-        if step % 10 == 0 or step == steps - 1:
-            log.info(
-                "step %3d/%d  loss %.4f  lr %.2e", step + 1, steps, total, schedule.get_last_lr()[0]
-            )
+    batches = iter(loader)
+    first_loss = last_loss = float("nan")
+    while strategy.step_state(model).global_steps < steps:
+        ids = next(batches)
+        logits = model(ids[:, :-1])
+        loss = nn.functional.cross_entropy(logits.reshape(-1, vocab), ids[:, 1:].reshape(-1))
+        strategy.backward(loss, model, optim)
+        if strategy.optimizer_step(optim, model, sched):
+            step = strategy.step_state(model).global_steps
+            last_loss = float(strategy.all_reduce(loss.detach()))
+            first_loss = last_loss if step == 1 else first_loss
+            if step % 10 == 0 or step in (1, steps):
+                lr = sched.get_last_lr()[0]
+                strategy.print(f"step {step:3d}/{steps}  loss {last_loss:.4f}  lr {lr:.2e}")
+    model.eval()
     with torch.no_grad():
-        ids = batch(data, 64, vocab, length)
-        accuracy = (model(ids[:, :-1]).argmax(-1) == ids[:, 1:]).float().mean().item()
-    log.info(
-        "done in %.1fs: loss %.4f -> %.4f, next-token accuracy %.1f%%",
-        time.perf_counter() - started,
-        first_loss,
-        last_loss,
-        100 * accuracy,
+        ids = NextTokenTask(64, vocab, length, config.seed + 1).ids
+        hits = (model(ids[:, :-1]).argmax(-1) == ids[:, 1:]).float().mean()
+    accuracy = float(strategy.all_reduce(hits))
+    checkpoint = strategy.save_ckpt(model, out / "checkpoints")
+    strategy.save_model(model, None, out / "model")
+    strategy.print(
+        f"done in {time.perf_counter() - started:.1f}s: loss {first_loss:.4f} -> {last_loss:.4f}, "
+        f"next-token accuracy {100 * accuracy:.1f}%; checkpoint {checkpoint}, "
+        f"HF export {out / 'model'}"
     )
+    strategy.close()
     return accuracy
 
 
@@ -124,15 +115,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", default=str(HERE / "tiny.yaml"), help="YAML or JSON config")
     parser.add_argument("--steps", type=int, default=60, help="optimizer steps")
     parser.add_argument("--min-accuracy", type=float, default=0.9, help="fail below this")
+    parser.add_argument("--out", type=Path, default=Path("runs/tiny"), help="output directory")
     StrategyConfig.add_arguments(parser, suppress_defaults=True)
     given = vars(parser.parse_args(argv))
-    file, steps, min_accuracy = given.pop("config"), given.pop("steps"), given.pop("min_accuracy")
+    file, steps, out = given.pop("config"), given.pop("steps"), given.pop("out")
+    min_accuracy = given.pop("min_accuracy")
     try:
         config = StrategyConfig.load(file=file, args=given)
     except ConfigError as exc:
         log.error("%s", exc)
         return 2
-    accuracy = train(config, steps)
+    accuracy = train(config, steps, out)
     if accuracy < min_accuracy:
         log.error("the model did not learn: accuracy %.3f < %.3f", accuracy, min_accuracy)
         return 1
