@@ -10,7 +10,7 @@ Measures, interleaved over rounds (alternating which side goes first):
     vs ``strategy.save_ckpt`` / ``strategy.load_ckpt`` (which also write scheduler, RNG
     and metadata files and rename atomically).
 
-    python benchmarks/fsdp2_overhead.py [--steps 15] [--rounds 7] [--dim 256] [--layers 4]
+    python benchmarks/fsdp2_overhead.py [--steps 10] [--rounds 7] [--dim 256] [--layers 4]
 
 re-launches itself under torchrun with 2 processes (OMP_NUM_THREADS=1); or launch it
 yourself:
@@ -132,9 +132,13 @@ class RawSide:
     name = "raw FSDP2 loop"
 
     def __init__(self, args: argparse.Namespace, mesh: Any, rank: int) -> None:
+        reshard_root = args.raw_reshard_root
         self.model = build_model(args)
-        for module in [*self.model.layers, self.model]:
-            fully_shard(module, mesh=mesh)
+        for block in self.model.layers:
+            fully_shard(block, mesh=mesh)
+        # torch's default keeps the root's parameters gathered from forward to backward;
+        # the strategy passes reshard_after_forward=True to the root as well.
+        fully_shard(self.model, mesh=mesh, reshard_after_forward=True if reshard_root else None)
         self.fsdp: FSDPModule = self.model  # type: ignore[assignment]
         self.optim = torch.optim.AdamW(
             param_groups(self.model, args.weight_decay), lr=args.lr, betas=(0.9, 0.95)
@@ -245,7 +249,9 @@ def profile_steps(side: Any, steps: int, top: int) -> str:
     profiler.disable()
     dist.barrier()
     out = io.StringIO()
-    pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(top)
+    pstats.Stats(profiler, stream=out).sort_stats("cumulative").print_stats(
+        os.environ.get("PSTATS_FILTER", ""), top
+    )
     return out.getvalue()
 
 
@@ -253,11 +259,15 @@ def report_pair(
     title: str, raw: list[float], ours: list[float], unit: str, scale: float
 ) -> tuple[float, float]:
     r, o = statistics.median(raw), statistics.median(ours)
-    paired = statistics.median(b / a for a, b in zip(raw, ours, strict=True))
     print(title)
     print(f"  raw                    {r * scale:9.2f} {unit}")
     print(f"  strategy               {o * scale:9.2f} {unit}")
-    print(f"  ratio strategy/raw     {o / r:9.3f}x   (median of per-round ratios {paired:.3f}x)")
+    ratios = [b / a for a, b in zip(raw, ours, strict=True)]
+    print(f"  ratio strategy/raw     {o / r:9.3f}x")
+    print(
+        f"  per-round ratios       median {statistics.median(ratios):.3f}x, "
+        f"range {min(ratios):.3f}x .. {max(ratios):.3f}x"
+    )
     return r, o
 
 
@@ -266,7 +276,7 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--steps", type=int, default=15, help="optimizer steps per side per round")
+    parser.add_argument("--steps", type=int, default=10, help="optimizer steps per side per round")
     parser.add_argument("--rounds", type=int, default=7, help="interleaved rounds")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps per side first")
     parser.add_argument("--ckpt-rounds", type=int, default=None, help="default: --rounds")
@@ -280,6 +290,12 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--lr", type=float, default=1e-4, help="learning rate")
     parser.add_argument("--weight-decay", type=float, default=0.01, help="AdamW weight decay")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--raw-reshard-root",
+        action="store_true",
+        help="raw side: reshard the root after forward too, as the strategy does "
+        "(torch's default keeps it gathered, saving one all-gather per micro-batch)",
+    )
     parser.add_argument(
         "--nproc", type=int, default=2, help="processes when re-launching under torchrun"
     )
@@ -347,6 +363,12 @@ def main() -> None:
     n_params = sum(p.numel() for p in raw.model.parameters())
 
     if rank == 0:
+        busy = os.getloadavg()[0]
+        if busy > 1.0:
+            print(
+                f"note: load average {busy:.1f} on {os.cpu_count()} CPUs before the start; "
+                "other processes compete and the figures will be noisy (see the ranges)"
+            )
         print(
             f"FSDP2 on CPU/gloo, {world} processes x {torch.get_num_threads()} threads; model "
             f"{args.layers} blocks x dim {args.dim} ({n_params / 1e6:.2f} M params, fp32), "
@@ -374,6 +396,10 @@ def main() -> None:
     root = Path(root_box[0])
     save_counts = {side.name: 0 for side in sides}
     load_counts = {side.name: 0 for side in sides}
+
+    for side in sides:  # untimed: first saves and loads pay one-off costs
+        side.save(root / "warmup", 0)
+        side.load(root / "warmup", 0)
 
     def save(side: Any) -> float:
         index = save_counts[side.name]

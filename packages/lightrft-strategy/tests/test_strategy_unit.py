@@ -343,3 +343,15 @@ def test_print_reaches_stdout_when_logging_is_unconfigured(fsdp2: StrategyBase) 
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.stdout.strip() == "hello 3", out.stderr
+
+
+def test_loading_a_checkpoint_into_another_model_names_the_mismatch(
+    fsdp2: StrategyBase, tmp_path: Path
+) -> None:
+    from lightrft.strategy import CheckpointError
+
+    small = fsdp2.prepare_model(workers.TinyNet(blocks=2), is_training=True)
+    fsdp2.save_ckpt(small, tmp_path, tag="small", optimizer=fsdp2.create_optimizer(small))
+    bigger = fsdp2.prepare_model(workers.TinyNet(blocks=3), is_training=True)
+    with pytest.raises(CheckpointError, match=r"does not fit this model.*layers\.2"):
+        fsdp2.load_ckpt(bigger, tmp_path, load_optimizer_states=False)

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.filesystem import FileSystemWriter
 from torch.distributed.checkpoint.state_dict import (
@@ -26,12 +27,23 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from lightrft.strategy.base import StrategyBase, Triple
+from lightrft.strategy.checkpoint.layout import CheckpointError
 from lightrft.strategy.checkpoint.safe_io import SafeFileSystemReader
 from lightrft.strategy.fsdp2.sharding import build_mesh, shard_model
 
 logger = logging.getLogger(__name__)
 
 DCP_DIR = "dcp"
+
+
+def _first_line(exc: BaseException) -> str:
+    """The cause in one line: DCP wraps each rank's error in a CheckpointException."""
+    failures = getattr(exc, "failures", None)
+    if isinstance(failures, dict) and failures:
+        cause = next(iter(failures.values()))  # (exception, traceback) per rank
+        exc = cause[0] if isinstance(cause, tuple) else cause
+    text = str(exc).strip() or type(exc).__name__
+    return " ".join(text.split())[:500]
 
 
 class FSDP2Strategy(StrategyBase):
@@ -177,11 +189,20 @@ class FSDP2Strategy(StrategyBase):
         state: dict[str, Any] = {"model": get_model_state_dict(model)}
         if optimizer is not None:
             state["optim"] = get_optimizer_state_dict(model, optimizer)
-        dcp_load(
-            state,
-            storage_reader=SafeFileSystemReader(directory / DCP_DIR),
-            planner=DefaultLoadPlanner(allow_partial_load=not strict),
-        )
+        try:
+            dcp_load(
+                state,
+                storage_reader=SafeFileSystemReader(directory / DCP_DIR),
+                planner=DefaultLoadPlanner(allow_partial_load=not strict),
+            )
+        # DCP reports a plan mismatch before reading any data; its CheckpointException
+        # derives from BaseException, not Exception.
+        except (Exception, CheckpointException) as exc:
+            raise CheckpointError(
+                f"{directory} does not fit this model/optimizer ({type(model).__name__}): "
+                f"{_first_line(exc)}. Load it into the model it was saved from, or pass "
+                "load_module_strict=False to load only the matching weights"
+            ) from exc
         set_model_state_dict(model, state["model"], options=StateDictOptions(strict=strict))
         if optimizer is not None:
             set_optimizer_state_dict(model, optimizer, state["optim"])
