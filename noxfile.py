@@ -78,7 +78,16 @@ def strategy(session: nox.Session, backend: str) -> None:
     """lightrft-strategy's tests for one backend: real processes on a gloo group (CPU)."""
     sync(session, "lightrft-strategy", "--group", "test")
     session.chdir(ROOT / "packages" / "lightrft-strategy")
-    session.run("pytest", "-q", "-p", "no:cacheprovider", *session.posargs)
+    session.run("pytest", "-q", "-p", "no:cacheprovider", "-m", "not gpu", *session.posargs)
+
+
+@nox.session(python=DEFAULT_PYTHON)
+def gpu(session: nox.Session) -> None:
+    """The CUDA checks (tests marked `gpu`): run on a machine with a GPU. They fail, not
+    skip, without CUDA. Not part of the default sessions."""
+    sync(session, "lightrft-strategy", "--group", "test")
+    session.chdir(ROOT / "packages" / "lightrft-strategy")
+    session.run("pytest", "-v", "-p", "no:cacheprovider", "-m", "gpu", *session.posargs)
 
 
 @nox.session(python=DEFAULT_PYTHON)

@@ -103,12 +103,13 @@ def train(
         micro_losses = []
         for _ in range(strategy.accumulated_gradient):
             index, x, y = next(batches)
+            x, y = x.to(strategy.device), y.to(strategy.device)
             loss = nn.functional.mse_loss(actor(x), y)
             strategy.backward(loss, actor, optim)
             strategy.optimizer_step(optim, actor, sched)
             micro_losses.append(loss.detach())
             used.append(index.tolist())
-        losses.append(float(strategy.all_reduce(torch.stack(micro_losses).mean())))
+        losses.append(float(strategy.all_reduce(torch.stack(micro_losses).mean().cpu())))
         norms.append(strategy.step_state(actor).last_grad_norm)
     if save_dir is not None:
         strategy.save_ckpt(actor, save_dir)
@@ -326,3 +327,24 @@ def killed_save_case(save_dir: str, kill_in: str) -> None:
 
         layout.os.replace = replace_then_die  # type: ignore[assignment]
     strategy.save_ckpt(actor, save_dir, tag="step2")
+
+
+def offload_case() -> dict[str, Any]:
+    """maybe_offload_optimizer moves Adam state to CPU; maybe_load_optimizer brings it
+    back unchanged (CUDA only: on CPU both are where they started)."""
+    strategy = get_strategy(config(device="cuda", train_batch_size=2, micro_train_batch_size=2))
+    strategy.setup_distributed()
+    (actor, optim, _), *_ = strategy.prepare_models_and_optimizers(
+        TinyNet(), None, None, None, None, 10
+    )
+    strategy.backward(actor(torch.ones(2, DIM, device="cuda")).pow(2).mean(), actor, optim)
+    strategy.optimizer_step(optim, actor, None)
+    state = optim.state[next(iter(optim.state))]
+    before = state["exp_avg"].full_tensor().cpu()
+    strategy.maybe_offload_optimizer(optim)
+    offloaded = state["exp_avg"].device.type
+    strategy.maybe_load_optimizer(optim)
+    reloaded = state["exp_avg"].device.type
+    unchanged = bool(torch.equal(state["exp_avg"].full_tensor().cpu(), before))
+    strategy.close()
+    return {"offloaded": offloaded, "reloaded": reloaded, "unchanged": unchanged}
