@@ -152,8 +152,11 @@ def packages(session: nox.Session) -> None:
             "uv", "venv", "--quiet", "--python", str(session.python), str(env_dir), external=True
         )
         wheel = next(dist.glob(f"{package.replace('-', '_')}-*.whl"))
+        # The sibling wheels are rebuilt each run under an unchanged version: refresh them,
+        # or uv would reuse a cached build of the same name.
+        refresh = [arg for p in PACKAGES for arg in ("--refresh-package", p)]
         session.run(
-            "uv", "pip", "install", "--quiet", "--python", python,
+            "uv", "pip", "install", "--quiet", "--python", python, *refresh,
             "--find-links", str(dist), str(wheel), external=True,
         )  # fmt: skip
         session.run(

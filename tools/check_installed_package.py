@@ -16,7 +16,7 @@ from pathlib import Path
 # What each distribution must work without (its promise to users).
 MUST_NOT_NEED = {
     "lightrft-config": ["torch", "numpy", "deepspeed", "vllm", "sglang", "transformers"],
-    "lightrft-strategy": ["deepspeed", "vllm", "sglang"],
+    "lightrft-strategy": ["deepspeed", "vllm", "sglang", "transformers"],
     "lightrft-engines": ["vllm", "sglang", "deepspeed"],
     "lightrft-testing": ["deepspeed", "vllm", "sglang"],
 }
@@ -42,8 +42,40 @@ def main(distribution: str, module_name: str) -> int:
     heavy = sorted({m.split(".")[0] for m in sys.modules} & set(MUST_NOT_NEED[distribution]))
     if heavy:
         raise SystemExit(f"importing {module_name} imported {heavy}")
+    if distribution == "lightrft-strategy":
+        smoke_train_and_checkpoint()
     print(f"{distribution} {installed}: installs alone and imports from {location.parent}")
     return 0
+
+
+def smoke_train_and_checkpoint() -> None:
+    """One FSDP2 step, a checkpoint saved and loaded: what needs every runtime dependency
+    (torch.distributed, DCP, safetensors, the config's YAML reader)."""
+    import tempfile
+
+    import torch
+
+    from lightrft.strategy import get_strategy
+
+    with tempfile.TemporaryDirectory() as tmp:
+        config = Path(tmp) / "c.yaml"
+        config.write_text("backend: fsdp2\ndevice: cpu\nbf16: false\ntrain_batch_size: 2\n"
+                          "micro_train_batch_size: 2\n")  # fmt: skip
+        from lightrft.config import StrategyConfig
+
+        strategy = get_strategy(StrategyConfig.from_file(config))
+        strategy.setup_distributed()
+        model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
+        (actor, optim, sched), *_ = strategy.prepare_models_and_optimizers(
+            model, None, None, None, None, max_steps=2
+        )
+        strategy.backward(actor(torch.ones(2, 4)).sum(), actor, optim)
+        assert strategy.optimizer_step(optim, actor, sched)
+        strategy.save_ckpt(actor, Path(tmp) / "ckpt")
+        strategy.load_ckpt(actor, Path(tmp) / "ckpt")
+        strategy.save_model(actor, None, Path(tmp) / "export")
+        assert (Path(tmp) / "export" / "model.safetensors").is_file()
+        strategy.close()
 
 
 if __name__ == "__main__":
