@@ -49,6 +49,16 @@ def test_fsdp2_matches_unsharded_training(changes: dict[str, object], rtol: floa
     assert ranks[0]["losses"][-1] < ranks[0]["losses"][0]
 
 
+def test_hsdp_on_four_ranks_matches_unsharded_training() -> None:
+    """2 replicas x 2 shards: sharded within each pair, replicated across pairs."""
+    cfg = workers.config(fsdp_shard_size=2, train_batch_size=16)
+    ranks = run_distributed(workers.train, 4, cfg, 3, init_process_group=False, timeout=280)
+    assert len(ranks[0]["used"]) == 3 * 2  # 16 / (2 micro x 4 ranks)
+    ref = workers.reference(cfg, 3, [r["used"] for r in ranks])
+    torch.testing.assert_close(ranks[0]["losses"], ref["losses"], rtol=1e-5, atol=1e-6)
+    workers.assert_states_close(ranks[0]["state"], ref["state"], rtol=1e-5, atol=1e-6)
+
+
 def test_resume_is_bit_exact_with_dropout_and_a_mid_epoch_loader(tmp_path: Path) -> None:
     cfg = workers.config()
     full = run_distributed(workers.train, 2, cfg, 6, dropout=0.2, init_process_group=False)

@@ -355,3 +355,14 @@ def test_loading_a_checkpoint_into_another_model_names_the_mismatch(
     bigger = fsdp2.prepare_model(workers.TinyNet(blocks=3), is_training=True)
     with pytest.raises(CheckpointError, match=r"does not fit this model.*layers\.2"):
         fsdp2.load_ckpt(bigger, tmp_path, load_optimizer_states=False)
+
+
+def test_report_memory_and_cache_clearing_work_on_cpu(
+    fsdp2: StrategyBase, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level("INFO", logger="lightrft.strategy.print"):
+        figures = fsdp2.report_memory("after setup")
+    assert figures["cpu_max_rss_gib"] > 0.01
+    assert "allocated_gib" not in figures  # no accelerator figures on CPU
+    assert any("after setup memory: cpu_max_rss_gib=" in r.getMessage() for r in caplog.records)
+    fsdp2.sync_and_clear_cache()
