@@ -28,6 +28,9 @@ def test_collectives_keep_types_and_shapes() -> None:
     assert r1["gather_uneven"].tolist() == [[0.0, 0.0], [1.0, 1.0], [1.0, 1.0]]
     assert r0["gather_scalar"] == [0, 10]
     assert r0["gather_dict"]["r"].tolist() == [0, 1]
+    assert r0["min_uint8"].tolist() == [0, 5] and r0["min_uint8"].dtype == torch.uint8
+    assert r1["gather_0d"].tolist() == [0.0, 1.0]
+    assert r0["dict_order"] == {"a": 3.0, "b": 30.0} == r1["dict_order"]
 
 
 def test_ema_of_sharded_model_equals_ema_on_full_tensors() -> None:

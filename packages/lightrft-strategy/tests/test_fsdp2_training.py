@@ -60,14 +60,13 @@ def test_hsdp_on_four_ranks_matches_unsharded_training() -> None:
 
 
 def test_resume_is_bit_exact_with_dropout_and_a_mid_epoch_loader(tmp_path: Path) -> None:
-    cfg = workers.config()
-    full = run_distributed(workers.train, 2, cfg, 6, dropout=0.2, init_process_group=False)
-    first = run_distributed(
-        workers.train, 2, cfg, 3, dropout=0.2, save_dir=str(tmp_path), init_process_group=False
-    )
-    second = run_distributed(
-        workers.train, 2, cfg, 3, dropout=0.2, load_dir=str(tmp_path), init_process_group=False
-    )
+    # warmup then cosine over the 6 steps: a scheduler that is not restored shows
+    cfg = workers.config(lr_scheduler="cosine_with_min_lr", lr_warmup_ratio=0.34)
+    run = {"dropout": 0.2, "total_steps": 6, "init_process_group": False}
+    full = run_distributed(workers.train, 2, cfg, 6, **run)
+    first = run_distributed(workers.train, 2, cfg, 3, save_dir=str(tmp_path), **run)
+    second = run_distributed(workers.train, 2, cfg, 3, load_dir=str(tmp_path), **run)
+    assert second[0]["lr"] == full[0]["lr"] != first[0]["lr"]
     assert first[0]["losses"] + second[0]["losses"] == full[0]["losses"]
     for rank in range(2):
         assert first[rank]["used"] + second[rank]["used"] == full[rank]["used"]
@@ -91,5 +90,6 @@ def test_meta_init_takes_rank0_weights() -> None:
     cfg = workers.config()
     plain = run_distributed(workers.train, 2, cfg, 1, init_process_group=False)
     meta = run_distributed(workers.train, 2, cfg, 1, meta_init=True, init_process_group=False)
+    assert [r["built_on_meta"] for r in meta] == [False, True]
     assert meta[0]["losses"] == plain[0]["losses"]
     workers.assert_states_close(meta[0]["state"], plain[0]["state"], rtol=0, atol=0)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import json
 import math
 import subprocess
 import sys
@@ -66,9 +67,15 @@ def test_get_strategy_accepts_upstream_inputs(args: object) -> None:
     assert strategy.args is args
 
 
-def test_default_backend_is_deepspeed_and_names_the_missing_extra() -> None:
-    with pytest.raises(ImportError, match=r"pip install 'lightrft-strategy\[deepspeed\]'"):
+def test_default_backend_is_deepspeed_which_is_not_implemented_yet() -> None:
+    with pytest.raises(ImportError, match=r"backend 'deepspeed' is not implemented.*fsdp2"):
         get_strategy({})
+
+
+def test_a_backend_missing_its_library_names_the_extra() -> None:
+    register_backend("needs_lib", "library_that_is_not_installed.mod:Strategy")
+    with pytest.raises(ImportError, match=r"missing module 'library_that_is_not_installed'"):
+        get_backend("needs_lib")
 
 
 def test_get_fake_strategy_names_lightrft_testing() -> None:
@@ -155,16 +162,16 @@ def test_launch_env_from_torchrun() -> None:
 def test_launch_env_from_slurm() -> None:
     env = {
         "SLURM_PROCID": "5", "SLURM_LOCALID": "1", "SLURM_NTASKS": "8",
-        "SLURM_NTASKS_PER_NODE": "4", "MASTER_ADDR": "node1", "MASTER_PORT": "12345",
+        "SLURM_STEP_NUM_TASKS": "8", "SLURM_NTASKS_PER_NODE": "4", "MASTER_ADDR": "node1",
+        "MASTER_PORT": "12345",
     }  # fmt: skip
     launch = LaunchEnv.from_environ(env)
-    assert (launch.rank, launch.local_rank, launch.world_size, launch.local_world_size) == (
-        5,
-        1,
-        8,
-        4,
-    )
+    layout = (launch.rank, launch.local_rank, launch.world_size, launch.local_world_size)
+    assert layout == (5, 1, 8, 4)
     assert launch.launcher == "slurm"
+    # the batch script itself (no srun step) is a single process
+    del env["SLURM_STEP_NUM_TASKS"]
+    assert LaunchEnv.from_environ(env).launcher == "single"
 
 
 def test_launch_env_single_process() -> None:
@@ -177,7 +184,7 @@ def test_launch_env_single_process() -> None:
     [
         ({"RANK": "4", "WORLD_SIZE": "4"}, r"RANK=4: must lie in \[0, WORLD_SIZE=4\)"),
         ({"RANK": "x", "WORLD_SIZE": "4"}, r"RANK='x': environment variable must be an integer"),
-        ({"SLURM_PROCID": "0", "SLURM_NTASKS": "2"}, "export MASTER_PORT"),
+        ({"SLURM_PROCID": "0", "SLURM_STEP_NUM_TASKS": "2"}, "export MASTER_PORT"),
     ],
 )
 def test_launch_env_errors(env: dict[str, str], message: str) -> None:
@@ -333,6 +340,10 @@ def test_collectives_at_world_size_one(fsdp2: StrategyBase) -> None:
         fsdp2.all_reduce(1.0, "avg")  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="got str"):
         fsdp2.all_reduce("x")
+    source = torch.ones(2)
+    fsdp2.all_reduce(source, "sum").add_(1)  # the result is never an alias of the input
+    assert source.tolist() == [1.0, 1.0]
+    assert fsdp2.all_gather(torch.tensor(3.0)).shape == (1,)  # 0-d gathers to (world,)
 
 
 def test_print_reaches_stdout_when_logging_is_unconfigured(fsdp2: StrategyBase) -> None:
@@ -366,3 +377,94 @@ def test_report_memory_and_cache_clearing_work_on_cpu(
     assert "allocated_gib" not in figures  # no accelerator figures on CPU
     assert any("after setup memory: cpu_max_rss_gib=" in r.getMessage() for r in caplog.records)
     fsdp2.sync_and_clear_cache()
+
+
+def test_checkpoint_holds_optimizer_from_create_optimizer_and_client_state(
+    fsdp2: StrategyBase, tmp_path: Path
+) -> None:
+    model = fsdp2.prepare_model(workers.TinyNet(), is_training=True)
+    optim = fsdp2.create_optimizer(model)
+    sched = fsdp2.create_scheduler(optim, 10)
+    assert fsdp2.optimizer_of(model) == (optim, sched)
+    for _ in range(4):
+        _grads_step(fsdp2, model, optim, 1.0)
+    fsdp2.save_ckpt(model, tmp_path, client_state={"episode": 7, "t": torch.arange(3)})
+    meta = json.loads((tmp_path / "global_step1" / "lightrft_checkpoint.json").read_text())
+    assert meta["has_optimizer"] and meta["has_scheduler"]
+    _, client = fsdp2.load_ckpt(model, tmp_path)
+    assert client["episode"] == 7 and client["t"].tolist() == [0, 1, 2]
+
+
+def test_saving_before_the_first_step_leaves_the_optimizer_fresh(
+    fsdp2: StrategyBase, tmp_path: Path
+) -> None:
+    model = fsdp2.prepare_model(workers.TinyNet(), is_training=True)
+    optim = fsdp2.create_optimizer(model)
+    fsdp2.save_ckpt(model, tmp_path, tag="init")
+    assert not optim.state  # torch's state-dict helper would have stepped it
+    fsdp2.load_ckpt(model, tmp_path)
+    assert not optim.state
+
+
+def test_load_module_only_restores_weights_and_nothing_else(
+    fsdp2: StrategyBase, tmp_path: Path
+) -> None:
+    model = fsdp2.prepare_model(workers.TinyNet(), is_training=True)
+    optim = fsdp2.create_optimizer(model)
+    loader = fsdp2.setup_dataloader(workers.IndexedRegression(), batch_size=2)
+    batches = iter(loader)
+    for _ in range(4):
+        next(batches)
+        _grads_step(fsdp2, model, optim, 1.0)
+    fsdp2.save_ckpt(model, tmp_path)
+    saved = fsdp2.full_state_dict(model)
+
+    fresh = fsdp2.prepare_model(workers.TinyNet(), is_training=True)
+    fresh_optim = fsdp2.create_optimizer(fresh)
+    fresh_loader = fsdp2.setup_dataloader(workers.IndexedRegression(), batch_size=2)
+    fsdp2.load_ckpt(fresh, tmp_path, load_module_only=True)
+    workers.assert_states_close(fsdp2.full_state_dict(fresh), saved, rtol=0, atol=0)
+    assert fresh_loader.state_dict()["consumed_samples"] == 0
+    assert fsdp2.step_state(fresh).global_steps == 0
+    assert not fresh_optim.state
+
+
+def test_a_loader_created_after_loading_resumes_too(fsdp2: StrategyBase, tmp_path: Path) -> None:
+    model = fsdp2.prepare_model(workers.TinyNet(), is_training=True)
+    fsdp2.create_optimizer(model)
+    loader = fsdp2.setup_dataloader(workers.IndexedRegression(), batch_size=2)
+    batches = iter(loader)
+    for _ in range(3):
+        next(batches)
+    fsdp2.save_ckpt(model, tmp_path, tag="t")
+    del loader, batches
+    fsdp2.load_ckpt(model, tmp_path)
+    late = fsdp2.setup_dataloader(workers.IndexedRegression(), batch_size=2)
+    assert late.state_dict()["consumed_samples"] == 6
+
+
+def test_rotation_never_deletes_the_checkpoint_latest_names(
+    fsdp2: StrategyBase, tmp_path: Path
+) -> None:
+    model = fsdp2.prepare_model(workers.TinyNet(), is_training=True)
+    fsdp2.create_optimizer(model)
+    fsdp2.save_ckpt(model, tmp_path, tag="step1")
+    fsdp2.save_ckpt(model, tmp_path, tag="best", save_latest=False, max_num=1)
+    assert (tmp_path / "latest").read_text().strip() == "step1"
+    assert fsdp2.load_ckpt(model, tmp_path)[0].endswith("step1")
+
+
+def test_save_refuses_to_replace_a_foreign_directory_and_bad_max_num(
+    fsdp2: StrategyBase, tmp_path: Path
+) -> None:
+    from lightrft.strategy import CheckpointError
+
+    model = fsdp2.prepare_model(workers.TinyNet(), is_training=True)
+    (tmp_path / "final").mkdir()
+    (tmp_path / "final" / "model.safetensors").write_bytes(b"an export")
+    with pytest.raises(CheckpointError, match="is not a LightRFT checkpoint"):
+        fsdp2.save_ckpt(model, tmp_path, tag="final")
+    assert (tmp_path / "final" / "model.safetensors").read_bytes() == b"an export"
+    with pytest.raises(ValueError, match="max_num=0 must be >= 1"):
+        fsdp2.save_ckpt(model, tmp_path, max_num=0)
+    assert not (tmp_path / "global_step0").exists()

@@ -89,8 +89,11 @@ def train(
     (rank 0) the full final state dict."""
     strategy = get_strategy(cfg)
     strategy.setup_distributed()
+    if meta_init:  # ranks would build different weights: only rank 0's may survive
+        torch.manual_seed(cfg["seed"] + strategy.get_rank())
     with strategy.init_model_context(meta_init=meta_init):
         model = TinyNet(dropout)
+    built_on_meta = any(p.is_meta for p in model.parameters())
     (actor, optim, sched), *_ = strategy.prepare_models_and_optimizers(
         model, None, None, None, None, max_steps=total_steps
     )
@@ -121,6 +124,8 @@ def train(
         "used": used,
         "norms": norms,
         "state": state if rank == 0 else None,
+        "built_on_meta": built_on_meta,
+        "lr": sched.get_last_lr()[0],
     }
 
 
@@ -197,6 +202,12 @@ def collectives_case() -> dict[str, Any]:
         "gather_uneven": strategy.all_gather(torch.full((rank + 1, 2), float(rank))),
         "gather_scalar": strategy.all_gather(rank * 10),
         "gather_dict": strategy.all_gather({"r": torch.tensor([rank])}),
+        "min_uint8": strategy.all_reduce(torch.tensor([0, 5], dtype=torch.uint8) + rank, "min"),
+        "gather_0d": strategy.all_gather(torch.tensor(float(rank))),
+        # the same keys inserted in a different order on each rank
+        "dict_order": strategy.all_reduce(
+            {"a": 1.0, "b": 10.0} if rank == 0 else {"b": 20.0, "a": 2.0}, "sum"
+        ),
     }
     strategy.close()
     return out

@@ -60,6 +60,7 @@ class StrategyBase(ABC):
         self._owns_process_group = False
         self._step_states = StepStates()
         self._dataloaders: list[weakref.ref[ResumableDataLoader]] = []
+        self._pending_loader_states: list[dict[str, int]] = []
         self._optimizers: weakref.WeakKeyDictionary[nn.Module, tuple[Any, Any]] = (
             weakref.WeakKeyDictionary()
         )
@@ -199,12 +200,29 @@ class StrategyBase(ABC):
             num_workers=num_workers,
             consumed_samples=consumed_samples,
         )
+        if self._pending_loader_states:  # created after load_ckpt: resume it too
+            loader.load_state_dict(self._pending_loader_states.pop(0))
         self._dataloaders.append(weakref.ref(loader))
         return loader
 
     def tracked_dataloaders(self) -> list[ResumableDataLoader]:
         """Loaders made by :meth:`setup_dataloader` and still alive, in creation order."""
         return [loader for ref in self._dataloaders if (loader := ref()) is not None]
+
+    def restore_dataloader_states(self, states: list[dict[str, int]]) -> None:
+        """Give saved loader states to the loaders, by creation order. Loaders created
+        after the checkpoint was loaded take the states left over, in order."""
+        loaders = self.tracked_dataloaders()
+        for loader, state in zip(loaders, states, strict=False):
+            loader.load_state_dict(state)
+        self._pending_loader_states = list(states[len(loaders) :])
+        if len(loaders) > len(states):
+            logger.warning(
+                "%d data loader(s) exist but the checkpoint holds %d loader state(s); the "
+                "extra loaders start from the beginning",
+                len(loaders),
+                len(states),
+            )
 
     # -- optimizers and models -----------------------------------------------------------
     def create_optimizer(self, model: nn.Module, **kwargs: Any) -> torch.optim.Optimizer:
@@ -218,7 +236,9 @@ class StrategyBase(ABC):
         betas = tuple(kwargs.pop("betas", self.config.adam_betas))
         weight_decay = kwargs.pop("weight_decay", self.config.l2)
         groups = parameter_groups(self.unwrap_model(model), weight_decay)
-        return build_adamw(groups, lr=lr, betas=(betas[0], betas[1]), **kwargs)
+        optimizer = build_adamw(groups, lr=lr, betas=(betas[0], betas[1]), **kwargs)
+        self._optimizers[model] = (optimizer, None)  # save_ckpt(model) finds it
+        return optimizer
 
     def _model_for_optimizer(self, model: nn.Module) -> nn.Module:
         """Backend hook: the module whose parameters the optimizer must hold."""
@@ -226,7 +246,11 @@ class StrategyBase(ABC):
 
     def create_scheduler(self, optimizer: torch.optim.Optimizer, max_steps: int) -> Any:
         """The configured warmup + ``lr_scheduler`` schedule over ``max_steps`` steps."""
-        return build_scheduler(optimizer, self.config, max_steps)
+        scheduler = build_scheduler(optimizer, self.config, max_steps)
+        for model, (paired, _) in list(self._optimizers.items()):
+            if paired is optimizer:
+                self._optimizers[model] = (optimizer, scheduler)
+        return scheduler
 
     def prepare(self, *models_or_model_optim_pairs: Any, is_rlhf: bool = False) -> Any:
         """Wrap each ``(model, optimizer, scheduler)`` triple for training and each plain
@@ -494,6 +518,7 @@ class StrategyBase(ABC):
             self, model, Path(load_dir), tag, load_module_strict,
             load_optimizer_states and not load_module_only,
             load_lr_scheduler_states and not load_module_only, optimizer, scheduler,
+            module_only=load_module_only,
         )  # fmt: skip
 
     def optimizer_of(self, model: nn.Module) -> tuple[Any, Any]:

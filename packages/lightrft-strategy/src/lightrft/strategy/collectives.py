@@ -13,7 +13,12 @@ import torch
 import torch.distributed as dist
 
 ReduceOp = Literal["mean", "max", "min", "sum"]
-_OPS = {"sum": dist.ReduceOp.SUM, "mean": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
+_OPS = {
+    "sum": dist.ReduceOp.SUM,
+    "mean": dist.ReduceOp.SUM,
+    "max": dist.ReduceOp.MAX,
+    "min": dist.ReduceOp.MIN,
+}
 
 
 def _world() -> int:
@@ -37,8 +42,8 @@ def all_reduce(data: Any, op: ReduceOp = "mean") -> Any:
     """
     if op not in ("mean", "max", "min", "sum"):
         raise ValueError(f"all_reduce op={op!r} is not one of 'mean', 'max', 'min', 'sum'")
-    if isinstance(data, dict):
-        return {key: all_reduce(value, op) for key, value in data.items()}
+    if isinstance(data, dict):  # sorted: every rank must reduce the same key together
+        return {key: all_reduce(data[key], op) for key in sorted(data)}
     if isinstance(data, torch.Tensor):
         return _reduce_tensor(data, op)
     if isinstance(data, bool) or not isinstance(data, int | float):
@@ -58,15 +63,10 @@ def _reduce_tensor(tensor: torch.Tensor, op: ReduceOp) -> torch.Tensor:
     if op == "mean" and not (work.is_floating_point() or work.is_complex()):
         work = work.double()
     if world == 1:
-        return work.clone() if work is tensor else work
+        return work.clone()  # never an alias of the input
     device = _comm_device(work)
     buffer = work.to(device, copy=True)
-    if op == "min":
-        buffer.neg_()
-        dist.all_reduce(buffer, op=dist.ReduceOp.MAX)
-        buffer.neg_()
-    else:
-        dist.all_reduce(buffer, op=_OPS[op])
+    dist.all_reduce(buffer, op=_OPS[op])
     if op == "mean":
         buffer /= world
     out = buffer.to(tensor.device)
@@ -81,7 +81,7 @@ def all_gather(data: Any) -> Any:
     as a dict of gathered values.
     """
     if isinstance(data, dict):
-        return {key: all_gather(value) for key, value in data.items()}
+        return {key: all_gather(data[key]) for key in sorted(data)}
     if isinstance(data, torch.Tensor):
         return _gather_tensor(data)
     if isinstance(data, bool | int | float):
@@ -98,11 +98,11 @@ def all_gather(data: Any) -> Any:
 
 def _gather_tensor(tensor: torch.Tensor) -> torch.Tensor:
     world = _world()
-    if world == 1:
-        return tensor.detach().clone()
     work = tensor.detach()
-    if work.dim() == 0:
+    if work.dim() == 0:  # a 0-d tensor gathers to shape (world,) at every world size
         work = work.reshape(1)
+    if world == 1:
+        return work.clone()
     device = _comm_device(work)
     work = work.to(device)
     length = torch.tensor([work.shape[0]], device=device, dtype=torch.long)

@@ -72,7 +72,9 @@ class LaunchEnv:
                 master_port=_int(env, "MASTER_PORT") if "MASTER_PORT" in env else 0,
                 launcher="torchrun",
             )
-        if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
+        # Only an srun step sets SLURM_STEP_NUM_TASKS; a plain `python` in the batch script
+        # sees SLURM_PROCID/SLURM_NTASKS too, but is a single process.
+        if "SLURM_PROCID" in env and "SLURM_STEP_NUM_TASKS" in env:
             if "MASTER_PORT" not in env:
                 raise ConfigError(
                     [
@@ -88,7 +90,7 @@ class LaunchEnv:
             return cls._checked(
                 rank=_int(env, "SLURM_PROCID"),
                 local_rank=_int(env, "SLURM_LOCALID") if "SLURM_LOCALID" in env else 0,
-                world_size=_int(env, "SLURM_NTASKS"),
+                world_size=_int(env, "SLURM_STEP_NUM_TASKS"),
                 local_world_size=(
                     _int(env, "SLURM_NTASKS_PER_NODE")
                     if env.get("SLURM_NTASKS_PER_NODE", "").isdigit()
@@ -148,6 +150,8 @@ def init_process_group(
     launch: LaunchEnv, device: torch.device, timeout: datetime.timedelta | None = None
 ) -> bool:
     """Join (or create) the default process group. Returns whether this call created it."""
+    if device.type == "cuda":
+        torch.cuda.set_device(launch.local_rank % max(1, torch.cuda.device_count()))
     if dist.is_initialized():
         if dist.get_world_size() != launch.world_size:
             raise RuntimeError(
@@ -158,8 +162,6 @@ def init_process_group(
     port = launch.master_port or find_free_port()
     os.environ.setdefault("MASTER_ADDR", launch.master_addr)
     os.environ.setdefault("MASTER_PORT", str(port))
-    if device.type == "cuda":
-        torch.cuda.set_device(launch.local_rank % max(1, torch.cuda.device_count()))
     dist.init_process_group(
         backend=process_group_backend(device),
         init_method=f"tcp://{launch.master_addr}:{os.environ['MASTER_PORT']}",

@@ -55,6 +55,8 @@ def write_hf_checkpoint(
     ``model.safetensors.index.json``), then config.json / generation_config.json when
     the model has them, then the tokenizer's files. Returns the weight files."""
     output_dir.mkdir(parents=True, exist_ok=True)
+    for stale in [*output_dir.glob("model*.safetensors"), *output_dir.glob("model*.index.json")]:
+        stale.unlink()  # a previous export's weights must not mix with this one
     tensors = _drop_tied_duplicates(state, model)
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0

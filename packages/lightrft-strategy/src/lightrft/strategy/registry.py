@@ -53,9 +53,14 @@ def _load(target: str, provider: str, name: str) -> type[StrategyBase]:
     module_name, _, attr = target.partition(":")
     try:
         module = importlib.import_module(module_name)
-    except ImportError as exc:
+    except ModuleNotFoundError as exc:
+        if exc.name == module_name and module_name.startswith("lightrft.strategy."):
+            raise ImportError(
+                f"backend {name!r} is not implemented in this version of lightrft-strategy; "
+                f"available: {', '.join(available_backends())}"
+            ) from exc
         raise ImportError(
-            f"backend {name!r} needs {provider} (import of {module_name} failed: {exc}); "
+            f"backend {name!r} needs {provider} (missing module {exc.name!r}); "
             f"install it with: pip install '{provider}'"
         ) from exc
     try:

@@ -108,6 +108,12 @@ class CheckpointDir:
     def begin(self, tag: str) -> Path:
         """Create ``.<tag>.partial`` (clearing a stale one) and return it on every rank."""
         staging = self.root / f".{check_tag(tag)}.partial"
+        existing = self.root / tag
+        if existing.exists() and _read_metadata(existing) is None:
+            raise CheckpointError(
+                f"{existing} exists and is not a LightRFT checkpoint; saving tag {tag!r} "
+                "would replace it. Choose another tag or save_dir"
+            )
         if self.rank == 0:
             self.root.mkdir(parents=True, exist_ok=True)
             if staging.exists():
@@ -165,18 +171,23 @@ class CheckpointDir:
 
     def rotate(self, max_num: int, max_mem_gib: float, keep: str) -> list[str]:
         """On rank 0: delete the oldest complete checkpoints until at most ``max_num``
-        remain and they total at most ``max_mem_gib`` GiB. ``keep`` (the newest) is never
-        deleted, nor is any directory without our metadata. Returns the deleted tags."""
+        remain and they total at most ``max_mem_gib`` GiB. ``keep`` (the newest) and the
+        tag ``latest`` names are never deleted, nor is any directory without our
+        metadata. Returns the deleted tags."""
         if self.rank != 0:
             return []
         if max_num < 1:
             raise ValueError(f"max_num={max_num} must be >= 1: the newest checkpoint is kept")
         kept = self.complete()
+        latest_file = self.root / LATEST_FILE
+        protected = {keep}
+        if latest_file.is_file():
+            protected.add(latest_file.read_text(encoding="utf-8").strip())
         deleted: list[str] = []
         while len(kept) > 1 and (
             len(kept) > max_num or sum(i.size_bytes for i in kept) > max_mem_gib * GIB
         ):
-            oldest = next((i for i in kept if i.tag != keep), None)
+            oldest = next((i for i in kept if i.tag not in protected), None)
             if oldest is None:
                 break
             shutil.rmtree(oldest.path)

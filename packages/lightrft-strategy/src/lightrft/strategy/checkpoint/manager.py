@@ -51,7 +51,10 @@ def save_checkpoint(
     scheduler: Any,
 ) -> Path:
     """Write one complete checkpoint (see :mod:`lightrft.strategy.checkpoint.layout`)."""
-    check_plain(client_state)  # fail before writing anything
+    check_plain(client_state)  # fail on every rank before writing anything
+    keep = max_num if max_num is not None else strategy.config.max_ckpt_num
+    if keep < 1:
+        raise ValueError(f"save_ckpt max_num={keep} must be >= 1: the newest checkpoint is kept")
     paired_optimizer, paired_scheduler = strategy.optimizer_of(model)
     optimizer = optimizer if optimizer is not None else paired_optimizer
     scheduler = scheduler if scheduler is not None else paired_scheduler
@@ -83,7 +86,7 @@ def save_checkpoint(
     }
     final = ckpt.commit(tag, staging, metadata, update_latest=save_latest)
     ckpt.rotate(
-        max_num if max_num is not None else strategy.config.max_ckpt_num,
+        keep,
         max_mem if max_mem is not None else strategy.config.max_ckpt_mem,
         keep=tag,
     )
@@ -102,8 +105,13 @@ def load_checkpoint(
     load_scheduler: bool,
     optimizer: Any,
     scheduler: Any,
+    module_only: bool = False,
 ) -> tuple[str, dict[str, Any]]:
-    """Verify, then restore; raises before touching any state if verification fails."""
+    """Verify, then restore; raises before touching any state if verification fails.
+
+    With ``module_only`` only the model's weights are restored (and ``client_state``
+    returned): no optimizer, scheduler, RNG, loader position or step counters.
+    """
     rank = strategy.get_rank()
     ckpt = CheckpointDir(load_dir, rank=rank, barrier=strategy.barrier)
     info = ckpt.resolve(tag, backend=strategy.backend_name)
@@ -113,6 +121,15 @@ def load_checkpoint(
     if load_optimizer and optimizer is not None and not info.metadata.get("has_optimizer"):
         raise ValueError(f"{info.path} holds no optimizer state; pass load_optimizer_states=False")
 
+    client_state = load_plain(info.path / "client_state.pt")
+    if module_only:
+        strategy.load_backend_state(model, None, info.path, strict)
+        strategy.barrier()
+        strategy.print(f"loaded the model weights of checkpoint {info.path}")
+        return str(info.path), client_state
+    # Loader states first: a state that does not fit raises before any model state moves.
+    states = json.loads((info.path / "dataloaders.json").read_text())
+    strategy.restore_dataloader_states(states)
     strategy.load_backend_state(model, optimizer if load_optimizer else None, info.path, strict)
     if load_scheduler and scheduler is not None and (info.path / "scheduler.pt").is_file():
         scheduler.load_state_dict(load_plain(info.path / "scheduler.pt"))
@@ -126,14 +143,10 @@ def load_checkpoint(
             info.metadata.get("world_size"),
             strategy.world_size,
         )
-    states = json.loads((info.path / "dataloaders.json").read_text())
-    for loader, state in zip(strategy.tracked_dataloaders(), states, strict=False):
-        loader.load_state_dict(state)
     steps = json.loads((info.path / "steps.json").read_text())
     step_state = strategy.step_state(model)
     step_state.global_steps = int(steps["global_steps"])
     step_state.micro_steps = int(steps["micro_steps"])
-    client_state = load_plain(info.path / "client_state.pt")
     strategy.barrier()
     strategy.print(f"loaded checkpoint {info.path}")
     return str(info.path), client_state

@@ -61,7 +61,6 @@ class FSDP2Strategy(StrategyBase):
     def __init__(self, config: Any = None, /, **overrides: Any) -> None:
         super().__init__(config, **overrides)
         self.mesh: Any = None
-        self._broadcast_from_rank0 = False
 
     def _after_setup(self) -> None:
         self.mesh = build_mesh(self.world_size, self.config.fsdp_shard_size, self.device.type)
@@ -72,8 +71,12 @@ class FSDP2Strategy(StrategyBase):
             return model
         if self.mesh is None:
             raise RuntimeError("call strategy.setup_distributed() before preparing models")
+        # Built under init_model_context(meta_init=True) on some rank? Every rank prepares
+        # the same models in the same order, so this agreement is one small collective.
+        on_meta = any(p.is_meta for p in model.parameters())
+        from_rank0 = bool(self.all_reduce(int(on_meta), "max")) if self.world_size > 1 else False
         rank0_state = None
-        if self._broadcast_from_rank0 and self.is_rank_0():
+        if from_rank0 and self.is_rank_0():
             rank0_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
         shard_model(
             model,
@@ -83,14 +86,19 @@ class FSDP2Strategy(StrategyBase):
             reshard_after_forward=self.config.fsdp_reshard_after_forward,
             class_names=self.config.fsdp_wrap_modules,
         )
-        if self._broadcast_from_rank0:
+        if from_rank0:
             self._load_rank0_weights(model, rank0_state)
         return model
 
     def _load_rank0_weights(self, model: nn.Module, state: dict[str, torch.Tensor] | None) -> None:
         """After meta-device initialisation: allocate, then take rank 0's weights."""
         if not self.is_rank_0():
-            model.to_empty(device=self.device if not self.config.fsdp_cpu_offload else "cpu")
+            # offloaded shards live on the CPU; buffers always on the compute device
+            model.to_empty(device="cpu" if self.config.fsdp_cpu_offload else self.device)
+            for module in model.modules():
+                for key, buffer in module._buffers.items():
+                    if buffer is not None:
+                        module._buffers[key] = buffer.to(self.device)
         set_model_state_dict(
             model,
             dict(state or {}),
@@ -141,11 +149,7 @@ class FSDP2Strategy(StrategyBase):
     def init_model_context(self, meta_init: bool = False) -> Iterator[None]:
         """With ``meta_init``, ranks other than 0 build models on the meta device (no
         memory); when prepared, those models are allocated and take rank 0's weights."""
-        if not meta_init or self.world_size == 1:
-            yield
-            return
-        self._broadcast_from_rank0 = True
-        if self.is_rank_0():
+        if not meta_init or self.world_size == 1 or self.is_rank_0():
             yield
         else:
             with torch.device("meta"):
@@ -179,7 +183,10 @@ class FSDP2Strategy(StrategyBase):
 
     def save_backend_state(self, model: nn.Module, optimizer: Any, directory: Path) -> None:
         state: dict[str, Any] = {"model": get_model_state_dict(model)}
-        if optimizer is not None:
+        # An optimizer that never stepped has no state; asking torch for its state dict
+        # would initialise it with a zero-gradient step (Adam's step count would then
+        # be off by one), so it is saved as "fresh" instead.
+        if optimizer is not None and optimizer.state:
             state["optim"] = get_optimizer_state_dict(model, optimizer)
         dcp_save(state, storage_writer=FileSystemWriter(directory / DCP_DIR))
 
@@ -187,8 +194,12 @@ class FSDP2Strategy(StrategyBase):
         self, model: nn.Module, optimizer: Any, directory: Path, strict: bool
     ) -> None:
         state: dict[str, Any] = {"model": get_model_state_dict(model)}
-        if optimizer is not None:
+        metadata = SafeFileSystemReader(directory / DCP_DIR).read_metadata()
+        saved_optimizer = any(key.startswith("optim.") for key in metadata.state_dict_metadata)
+        if optimizer is not None and saved_optimizer:
             state["optim"] = get_optimizer_state_dict(model, optimizer)
+        elif optimizer is not None and optimizer.state:
+            optimizer.state.clear()  # the checkpoint's optimizer had never stepped
         try:
             dcp_load(
                 state,
@@ -204,5 +215,5 @@ class FSDP2Strategy(StrategyBase):
                 "load_module_strict=False to load only the matching weights"
             ) from exc
         set_model_state_dict(model, state["model"], options=StateDictOptions(strict=strict))
-        if optimizer is not None:
+        if "optim" in state:
             set_optimizer_state_dict(model, optimizer, state["optim"])
