@@ -50,8 +50,14 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 
 from lightrft.strategy import get_strategy
+from lightrft.strategy.fsdp2 import FSDP2Strategy
 
 TARGET_PERCENT = 3.0
+#: Functions --profile lists by cumulative time (a regular expression on file:line(name)).
+PROFILE_FILTER = (
+    "lightrft|fsdp2_overhead|clip_grad|optimizer.py|wait|all_gather_single|reduce_scatter"
+    "|all_reduce|run_backward"
+)
 
 
 # -- the model ---------------------------------------------------------------------------
@@ -153,21 +159,21 @@ class RawSide:
             self.fsdp.set_requires_gradient_sync(micro == self.accum - 1)
             x, y = self.batches.next()
             loss = nn.functional.mse_loss(self.model(x), y)
-            (loss / self.accum).backward()  # type: ignore[no-untyped-call]
+            (loss / self.accum).backward()
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_norm)
         self.optim.step()
         self.sched.step()
         self.optim.zero_grad(set_to_none=True)
 
     def save(self, root: Path, index: int) -> None:
-        state = {
+        state: dict[str, Any] = {
             "model": get_model_state_dict(self.model),
             "optim": get_optimizer_state_dict(self.model, self.optim),
         }
         dcp.save(state, checkpoint_id=root / f"raw_{index}")
 
     def load(self, root: Path, index: int) -> None:
-        state = {
+        state: dict[str, Any] = {
             "model": get_model_state_dict(self.model),
             "optim": get_optimizer_state_dict(self.model, self.optim),
         }
@@ -249,9 +255,11 @@ def profile_steps(side: Any, steps: int, top: int) -> str:
     profiler.disable()
     dist.barrier()
     out = io.StringIO()
-    pstats.Stats(profiler, stream=out).sort_stats("cumulative").print_stats(
-        os.environ.get("PSTATS_FILTER", ""), top
-    )
+    stats = pstats.Stats(profiler, stream=out)
+    print("-- by own time:", file=out)
+    stats.sort_stats("tottime").print_stats(top)
+    print("-- by cumulative time, the training calls and collectives only:", file=out)
+    stats.sort_stats("cumulative").print_stats(PROFILE_FILTER, top)
     return out.getvalue()
 
 
@@ -267,6 +275,11 @@ def report_pair(
     print(
         f"  per-round ratios       median {statistics.median(ratios):.3f}x, "
         f"range {min(ratios):.3f}x .. {max(ratios):.3f}x"
+    )
+    best_r, best_o = min(raw), min(ours)
+    print(
+        f"  best round             raw {best_r * scale:.2f}, strategy {best_o * scale:.2f} "
+        f"{unit} (ratio {best_o / best_r:.3f}x)"
     )
     return r, o
 
@@ -353,6 +366,7 @@ def main() -> None:
             "lr_scheduler": "constant_with_warmup",
         }
     )
+    assert isinstance(strategy, FSDP2Strategy)
     strategy.setup_distributed()  # creates the gloo group; the raw side uses it too
     rank = dist.get_rank()
     assert strategy.accumulated_gradient == args.accum
@@ -382,9 +396,15 @@ def main() -> None:
 
     for side in sides:
         timed(side.step, args.warmup)
-    steps = interleaved(
-        sides, lambda side: timed(side.step, args.steps), args.rounds, "training", rank
-    )
+    cpu: dict[str, list[float]] = {side.name: [] for side in sides}
+
+    def train(side: Any) -> float:
+        start = time.process_time()
+        wall = timed(side.step, args.steps)
+        cpu[side.name].append(time.process_time() - start)
+        return wall
+
+    steps = interleaved(sides, train, args.rounds, "training", rank)
     difference = max_param_difference(raw.model, ours.model)
 
     if args.profile:
@@ -397,10 +417,6 @@ def main() -> None:
     save_counts = {side.name: 0 for side in sides}
     load_counts = {side.name: 0 for side in sides}
 
-    for side in sides:  # untimed: first saves and loads pay one-off costs
-        side.save(root / "warmup", 0)
-        side.load(root / "warmup", 0)
-
     def save(side: Any) -> float:
         index = save_counts[side.name]
         save_counts[side.name] += 1
@@ -412,6 +428,9 @@ def main() -> None:
         return timed(lambda: side.load(root, index))
 
     try:
+        for side in sides:  # untimed: first saves and loads pay one-off costs
+            side.save(root / "warmup", 0)
+            side.load(root / "warmup", 0)
         save_times = interleaved(sides, save, ckpt_rounds, "checkpoint save", rank)
         load_times = interleaved(sides, load, ckpt_rounds, "checkpoint load", rank)
         dist.barrier()
@@ -435,6 +454,11 @@ def main() -> None:
             f"  strategy overhead      {overhead:+9.2f} %   (target < {TARGET_PERCENT:g}%: "
             f"{verdict})"
         )
+        cpu_r, cpu_o = statistics.median(cpu[raw.name]), statistics.median(cpu[ours.name])
+        print(
+            f"  rank-0 CPU time/step   raw {cpu_r * 1e3 / args.steps:.2f}, strategy "
+            f"{cpu_o * 1e3 / args.steps:.2f} ms ({(cpu_o / cpu_r - 1) * 100:+.2f} %)"
+        )
         print(f"  same math: largest parameter difference after training {difference:.3g}")
         report_pair(
             f"checkpoint save (model + AdamW state), median over {ckpt_rounds} rounds:",
@@ -452,7 +476,7 @@ def main() -> None:
         )
         if args.profile:
             for name, text in reports.items():
-                print(f"cProfile of {args.profile} steps, {name} (rank 0), by own time:")
+                print(f"cProfile of {args.profile} steps, {name} (rank 0)")
                 print(text)
 
     strategy.close()  # barrier, then destroys the process group it created
