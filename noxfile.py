@@ -175,5 +175,6 @@ def demo(session: nox.Session) -> None:
 @nox.session(python=DEFAULT_PYTHON)
 def bench(session: nox.Session) -> None:
     """Benchmarks (not tests): print our figures beside the raw approach's, with ratios."""
-    sync(session, "lightrft-config")
-    session.run("python", "benchmarks/config_load.py", *session.posargs)
+    sync(session, "lightrft-strategy")
+    session.run("python", "benchmarks/config_load.py")
+    session.run("python", "benchmarks/fsdp2_overhead.py")  # re-launches under torchrun
