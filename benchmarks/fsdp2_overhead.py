@@ -9,6 +9,10 @@ Measures, interleaved over rounds (alternating which side goes first):
   * checkpoint save and load: raw ``dcp.save`` / ``dcp.load`` of model + optimizer state
     vs ``strategy.save_ckpt`` / ``strategy.load_ckpt`` (which also write scheduler, RNG
     and metadata files and rename atomically).
+It also prints how busy other processes kept the CPUs meanwhile: on a shared 2-core
+machine that noise is larger than the effect measured; read the per-round ranges.
+``--raw-reshard-root`` makes the raw side reshard its root after forward as the strategy
+does; ``--profile N`` adds a cProfile of N steps per side (rank 0).
 
     python benchmarks/fsdp2_overhead.py [--steps 10] [--rounds 7] [--dim 256] [--layers 4]
 
@@ -234,6 +238,29 @@ def interleaved(
     return times
 
 
+def machine_busy_seconds() -> float | None:
+    """CPU-seconds every process on this machine has spent busy (or stolen by the
+    hypervisor) since boot, from /proc/stat; None where there is no /proc/stat."""
+    try:
+        ticks = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    except (OSError, ValueError):
+        return None
+    user, nice, system, _idle, _iowait, irq, softirq, steal = (ticks + [0] * 8)[:8]
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+
+def other_processes_cpus(wall0: float, own0: float, busy0: float | None) -> float | None:
+    """CPUs that processes other than this job's ranks kept busy, on average, since the
+    start figures (all ranks call it; the answer is meaningful on rank 0, single node)."""
+    own = torch.tensor(time.process_time() - own0, dtype=torch.float64)
+    dist.all_reduce(own)
+    busy1 = machine_busy_seconds()
+    wall = time.perf_counter() - wall0
+    if busy0 is None or busy1 is None or wall <= 0:
+        return None
+    return max(0.0, (busy1 - busy0 - float(own)) / wall)
+
+
 def max_param_difference(a: nn.Module, b: nn.Module) -> float:
     """Largest |a - b| over all parameters, over all ranks' shards."""
     worst = torch.zeros(())
@@ -377,12 +404,6 @@ def main() -> None:
     n_params = sum(p.numel() for p in raw.model.parameters())
 
     if rank == 0:
-        busy = os.getloadavg()[0]
-        if busy > 1.0:
-            print(
-                f"note: load average {busy:.1f} on {os.cpu_count()} CPUs before the start; "
-                "other processes compete and the figures will be noisy (see the ranges)"
-            )
         print(
             f"FSDP2 on CPU/gloo, {world} processes x {torch.get_num_threads()} threads; model "
             f"{args.layers} blocks x dim {args.dim} ({n_params / 1e6:.2f} M params, fp32), "
@@ -396,6 +417,8 @@ def main() -> None:
 
     for side in sides:
         timed(side.step, args.warmup)
+    dist.barrier()
+    run_start = (time.perf_counter(), time.process_time(), machine_busy_seconds())
     cpu: dict[str, list[float]] = {side.name: [] for side in sides}
 
     def train(side: Any) -> float:
@@ -433,12 +456,17 @@ def main() -> None:
             side.load(root / "warmup", 0)
         save_times = interleaved(sides, save, ckpt_rounds, "checkpoint save", rank)
         load_times = interleaved(sides, load, ckpt_rounds, "checkpoint load", rank)
-        dist.barrier()
+        others = other_processes_cpus(*run_start)
     finally:
         if rank == 0:
             shutil.rmtree(root, ignore_errors=True)
 
     if rank == 0:
+        if others is not None:
+            print(
+                f"other processes kept {others:.2f} of {os.cpu_count()} CPUs busy on average "
+                "during the run" + (": the figures are noisy" if others > 0.25 else "")
+            )
         r, o = report_pair(
             f"training step, median over {args.rounds} rounds:",
             steps[raw.name],
