@@ -91,7 +91,8 @@ def save_checkpoint(
         keep=tag,
     )
     strategy.barrier()
-    strategy.print(f"saved checkpoint {final}")
+    if rank == 0:
+        logger.info("saved checkpoint %s", final)
     return final
 
 
@@ -125,7 +126,8 @@ def load_checkpoint(
     if module_only:
         strategy.load_backend_state(model, None, info.path, strict)
         strategy.barrier()
-        strategy.print(f"loaded the model weights of checkpoint {info.path}")
+        if rank == 0:
+            logger.info("loaded the model weights of checkpoint %s", info.path)
         return str(info.path), client_state
     # Loader states first: a state that does not fit raises before any model state moves.
     states = json.loads((info.path / "dataloaders.json").read_text())
@@ -148,5 +150,6 @@ def load_checkpoint(
     step_state.global_steps = int(steps["global_steps"])
     step_state.micro_steps = int(steps["micro_steps"])
     strategy.barrier()
-    strategy.print(f"loaded checkpoint {info.path}")
+    if rank == 0:
+        logger.info("loaded checkpoint %s", info.path)
     return str(info.path), client_state
