@@ -81,3 +81,13 @@ def test_save_killed_half_way_leaves_the_previous_checkpoint_loadable(
     loaded = run_distributed(workers.load_full_checkpoint, 1, workers.config(), str(tmp_path),
                              init_process_group=False)  # fmt: skip
     assert loaded[0]["path"].endswith("step1")
+
+
+def test_a_rank0_failure_while_saving_raises_on_every_rank(tmp_path: Path) -> None:
+    outcomes = run_distributed(
+        workers.rank0_fails_while_saving_case, 2, str(tmp_path), init_process_group=False,
+        timeout=200,
+    )  # fmt: skip
+    assert outcomes[0] == "OSError: disk full (simulated)"
+    assert outcomes[1].startswith("CheckpointError: rank 0 failed writing checkpoint 'bad'")
+    assert (tmp_path / LATEST_FILE).read_text().strip() == "good"

@@ -359,3 +359,27 @@ def offload_case() -> dict[str, Any]:
     unchanged = bool(torch.equal(state["exp_avg"].full_tensor().cpu(), before))
     strategy.close()
     return {"offloaded": offloaded, "reloaded": reloaded, "unchanged": unchanged}
+
+
+def rank0_fails_while_saving_case(save_dir: str) -> str:
+    """Rank 0 fails writing its part of a checkpoint: every rank must raise, none hang."""
+    strategy = get_strategy(config())
+    strategy.setup_distributed()
+    (actor, _, sched), *_ = strategy.prepare_models_and_optimizers(
+        TinyNet(), None, None, None, None, 10
+    )
+    strategy.save_ckpt(actor, save_dir, tag="good")
+    if strategy.get_rank() == 0:
+
+        def broken() -> dict[str, Any]:
+            raise OSError("disk full (simulated)")
+
+        sched.state_dict = broken  # type: ignore[method-assign]
+    try:
+        strategy.save_ckpt(actor, save_dir, tag="bad")
+    except Exception as exc:  # report what each rank saw
+        outcome = f"{type(exc).__name__}: {exc}"
+    else:
+        outcome = "no error"
+    strategy.close()
+    return outcome

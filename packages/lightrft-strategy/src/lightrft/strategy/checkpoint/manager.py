@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from lightrft.strategy.checkpoint.layout import CheckpointDir, check_tag
+from lightrft.strategy.checkpoint.layout import CheckpointDir, CheckpointError, check_tag
 from lightrft.strategy.checkpoint.rng import capture_rng_state, restore_rng_state
 from lightrft.strategy.checkpoint.safe_io import check_plain, load_plain, save_plain
 
@@ -67,15 +67,18 @@ def save_checkpoint(
     strategy.save_backend_state(model, optimizer, staging)
     (staging / "rng").mkdir(exist_ok=True)
     save_plain(capture_rng_state(), staging / "rng" / f"rank{rank}.pt", "rng state")
+    failure: Exception | None = None
     if rank == 0:
-        if scheduler is not None:
-            save_plain(scheduler.state_dict(), staging / "scheduler.pt", "scheduler state")
-        save_plain(client_state, staging / "client_state.pt", "client_state")
-        loaders = [loader.state_dict() for loader in strategy.tracked_dataloaders()]
-        (staging / "dataloaders.json").write_text(json.dumps(loaders))
-        step_state = strategy.step_state(model)
-        steps = {"global_steps": step_state.global_steps, "micro_steps": step_state.micro_steps}
-        (staging / "steps.json").write_text(json.dumps(steps))
+        try:
+            _write_rank0_pieces(strategy, model, scheduler, client_state, staging)
+        except Exception as exc:
+            failure = exc
+    # Every rank learns whether rank 0's part was written, so none waits at the commit
+    # barrier for a rank that gave up; the staging directory is left, `latest` untouched.
+    if not strategy.all_reduce(int(failure is None), "min"):
+        if failure is not None:
+            raise failure
+        raise CheckpointError(f"rank 0 failed writing checkpoint {tag!r}; see rank 0's error")
     metadata = {
         "backend": strategy.backend_name,
         "world_size": strategy.world_size,
@@ -94,6 +97,23 @@ def save_checkpoint(
     if rank == 0:
         logger.info("saved checkpoint %s", final)
     return final
+
+
+def _write_rank0_pieces(
+    strategy: StrategyBase,
+    model: nn.Module,
+    scheduler: Any,
+    client_state: dict[str, Any],
+    staging: Path,
+) -> None:
+    if scheduler is not None:
+        save_plain(scheduler.state_dict(), staging / "scheduler.pt", "scheduler state")
+    save_plain(client_state, staging / "client_state.pt", "client_state")
+    loaders = [loader.state_dict() for loader in strategy.tracked_dataloaders()]
+    (staging / "dataloaders.json").write_text(json.dumps(loaders))
+    step_state = strategy.step_state(model)
+    steps = {"global_steps": step_state.global_steps, "micro_steps": step_state.micro_steps}
+    (staging / "steps.json").write_text(json.dumps(steps))
 
 
 def load_checkpoint(
