@@ -12,11 +12,12 @@ import contextlib
 import datetime
 import gc
 import logging
+import math
 import random
 import sys
 import weakref
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -374,7 +375,7 @@ class StrategyBase(ABC):
         params = [p for group in optimizer.param_groups for p in group["params"]]
         norm = clip_and_check(params, self.config.max_norm)
         state.last_grad_norm = norm
-        if not torch.isfinite(torch.tensor(norm)):
+        if not math.isfinite(norm):
             state.skipped_steps += 1
             logger.warning(
                 "%s: gradient norm is %s at step %d; skipping this optimizer step",
@@ -534,7 +535,3 @@ class StrategyBase(ABC):
         self, model: nn.Module, optimizer: Any, directory: Path, strict: bool
     ) -> None:
         """Backend: read what :meth:`save_backend_state` wrote. Collective."""
-
-    def iter_models(self) -> Iterator[nn.Module]:
-        """Models prepared for training with an optimizer."""
-        yield from list(self._optimizers.keys())

@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import math
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -31,7 +31,6 @@ class StepState:
     global_steps: int = 0
     skipped_steps: int = 0
     last_grad_norm: float | None = None
-    extra: dict[str, object] = field(default_factory=dict)
 
 
 class StepStates:
