@@ -69,6 +69,7 @@ NEW_FIELDS: dict[str, object] = {
     "fsdp_reshard_after_forward": True,
     "lr_scheduler": "cosine_with_min_lr",
     "min_lr_ratio": 0.1,
+    "deepspeed_config": None,
 }
 
 

@@ -148,3 +148,33 @@ def test_add_arguments_covers_every_field_and_keeps_existing_flags() -> None:
 def test_suppressed_defaults_leave_absent_flags_out() -> None:
     parser = StrategyConfig.add_arguments(argparse.ArgumentParser(), suppress_defaults=True)
     assert vars(parser.parse_args(["--seed", "3"])) == {"seed": 3}
+
+
+def test_deepspeed_config_from_mapping_json_text_or_path(tmp_path: Path) -> None:
+    overlay = {"zero_optimization": {"reduce_bucket_size": 1000}}
+    assert StrategyConfig(deepspeed_config=overlay).deepspeed_config == overlay
+    text = json.dumps(overlay)
+    # a flag and an environment variable carry JSON text, parsed into the mapping
+    assert StrategyConfig.from_argv(["--deepspeed_config", text]).deepspeed_config == overlay
+    env = {"LIGHTRFT_DEEPSPEED_CONFIG": text}
+    assert StrategyConfig.load(environ=env).deepspeed_config == overlay
+    # a path stays a path (the DeepSpeed backend reads it)
+    path = tmp_path / "ds.json"
+    assert StrategyConfig(deepspeed_config=path).deepspeed_config == str(path)
+    assert StrategyConfig.from_argv(["--deepspeed-config", str(path)]).deepspeed_config == str(
+        path
+    )
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [("{not json", "not valid JSON"), (3, "valid dictionary"), ([1], "valid dictionary")],
+)
+def test_deepspeed_config_bad_values_name_the_field(value: object, expected: str) -> None:
+    from lightrft.config import ConfigError
+
+    with pytest.raises(ConfigError) as info:
+        StrategyConfig(deepspeed_config=value)
+    assert "deepspeed_config=" in str(info.value)
+    assert expected in str(info.value)
+    assert "a .json path" in str(info.value)

@@ -216,6 +216,8 @@ def _flag_spec(info: FieldInfo) -> dict[str, Any]:
     if typing.get_origin(base) is list:
         (item,) = typing.get_args(base)
         return {"nargs": "+", "type": item, "metavar": item.__name__.upper()}
+    if {typing.get_origin(arg) or arg for arg in typing.get_args(base)} == {dict, str}:
+        return {"type": wrap(str), "metavar": "JSON|PATH"}
     if base in (int, float, str):
         return {"type": wrap(base), "metavar": base.__name__.upper()}
     raise TypeError(f"no command-line form for field type {annotation!r}")

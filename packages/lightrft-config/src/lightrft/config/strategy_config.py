@@ -7,6 +7,7 @@ converts unchanged; fields upstream lacked are marked "(new)" in their descripti
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 from collections.abc import Mapping, Sequence
@@ -62,6 +63,23 @@ Beta = Annotated[float, BeforeValidator(_not_bool), Field(ge=0.0, lt=1.0)]
 FlagOrPath = Annotated[bool | str, BeforeValidator(_flag_or_path)]
 
 
+def _json_or_path(value: Any) -> Any:
+    # A mapping, a path to a JSON file, or JSON text (from a flag or the environment).
+    if isinstance(value, Path):
+        return str(value)
+    if isinstance(value, str) and value.lstrip().startswith("{"):
+        try:
+            return json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise PydanticCustomError(
+                "json_invalid", "not valid JSON ({msg})", {"msg": exc.msg}
+            ) from None
+    return value
+
+
+JsonOrPath = Annotated[dict[str, Any] | str, BeforeValidator(_json_or_path)]
+
+
 def _cross_field(messages: list[str]) -> PydanticCustomError:
     # One pydantic error carrying every message; errors.py lists them one by one.
     return PydanticCustomError(
@@ -103,6 +121,13 @@ class StrategyConfig(BaseModel):
         None, description="Dtype of gradient accumulation buffers (None: the backend default)."
     )
     overlap_comm: bool = Field(False, description="Overlap gradient reduction with backward.")
+    deepspeed_config: JsonOrPath | None = Field(
+        None,
+        description="(new) DeepSpeed settings overlaid on the generated train/eval configs: "
+        "a mapping, JSON text or a path to a JSON file. Keys the strategy derives (batch "
+        "sizes, accumulation, clipping, ZeRO stage, precision) must agree with it.",
+        json_schema_extra={"accepted": "null, a mapping, JSON object text or a .json path"},
+    )
 
     # -- engine / parallel ---------------------------------------------------------
     engine_type: Literal["vllm", "sglang", "hf"] = Field(
