@@ -237,9 +237,15 @@ class StrategyBase(ABC):
         betas = tuple(kwargs.pop("betas", self.config.adam_betas))
         weight_decay = kwargs.pop("weight_decay", self.config.l2)
         groups = parameter_groups(self.unwrap_model(model), weight_decay)
-        optimizer = build_adamw(groups, lr=lr, betas=(betas[0], betas[1]), **kwargs)
+        optimizer = self._build_optimizer(groups, lr=lr, betas=(betas[0], betas[1]), **kwargs)
         self._optimizers[model] = (optimizer, None)  # save_ckpt(model) finds it
         return optimizer
+
+    def _build_optimizer(
+        self, groups: list[dict[str, Any]], *, lr: float, betas: tuple[float, float], **kwargs: Any
+    ) -> torch.optim.Optimizer:
+        """Backend hook: the Adam implementation (torch's AdamW by default)."""
+        return build_adamw(groups, lr=lr, betas=betas, **kwargs)
 
     def _model_for_optimizer(self, model: nn.Module) -> nn.Module:
         """Backend hook: the module whose parameters the optimizer must hold."""

@@ -43,9 +43,11 @@ def parameter_groups(model: nn.Module, weight_decay: float) -> list[dict[str, An
         if not param.requires_grad:
             continue
         lowered = name.lower()
+        # a ZeRO-3 partitioned parameter keeps its real shape in ds_shape
+        ndim = len(getattr(param, "ds_shape", param.shape))
         if (
             id(param) in no_decay_ids
-            or param.ndim <= 1
+            or ndim <= 1
             or any(part in lowered for part in NO_DECAY_NAME_PARTS)
         ):
             no_decay.append(param)

@@ -1,0 +1,406 @@
+"""`DeepspeedStrategy`: StrategyBase over DeepSpeed engines, ZeRO stages 0-3."""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import importlib.metadata
+import importlib.util
+import logging
+import math
+import weakref
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import deepspeed
+import torch
+import torch.distributed as dist
+from deepspeed.runtime.engine import DeepSpeedEngine
+from torch import nn
+
+from lightrft.strategy.base import StrategyBase, Triple
+from lightrft.strategy.checkpoint.layout import CheckpointError
+from lightrft.strategy.deepspeed import ds_config, safe_checkpoint
+from lightrft.strategy.optim import build_adamw
+from lightrft.strategy.stepping import clip_and_check
+
+logger = logging.getLogger(__name__)
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip() or type(exc).__name__
+    return " ".join(text.split())[:500]
+
+
+def _is_partitioned(param: torch.Tensor) -> bool:
+    return hasattr(param, "ds_id")
+
+
+class DeepspeedStrategy(StrategyBase):
+    """Wraps models in DeepSpeed engines: ZeRO stage ``zero_stage`` for training,
+    stage 3 (or 0) evaluation engines for reference/reward/EMA models.
+
+    The DeepSpeed configs come from :meth:`get_ds_train_config` /
+    :meth:`get_ds_eval_config` (see :mod:`lightrft.strategy.deepspeed.ds_config` for
+    the mapping and the ``deepspeed_config`` overlay). Gradient accumulation, clipping,
+    non-finite skipping and scheduler stepping mean what they mean on every backend;
+    DeepSpeed performs them inside ``engine.step()``.
+
+    Differences from FSDP2 that training code can see: ``prepare_model(m,
+    is_training=True)`` returns ``m`` unchanged (DeepSpeed wraps a training model
+    together with its optimizer, in :meth:`prepare`); checkpoints hold DeepSpeed's own
+    engine files, so ZeRO optimizer state loads at the world size it was saved at.
+    """
+
+    backend_name = "deepspeed"
+
+    def __init__(self, config: Any = None, /, **overrides: Any) -> None:
+        super().__init__(config, **overrides)
+        self._engines: weakref.WeakSet[DeepSpeedEngine] = weakref.WeakSet()
+        self._hf_ds_config: Any = None  # keeps transformers' ZeRO-3 switch alive
+
+    # -- configs -------------------------------------------------------------------------
+    def get_ds_train_config(self, is_actor: bool = True) -> dict[str, Any]:
+        """The DeepSpeed config of training engines (``is_actor`` kept for upstream
+        callers; actor and critic engines share it)."""
+        del is_actor
+        return ds_config.train_config(
+            self.config,
+            world_size=self.world_size,
+            accumulation=self.accumulated_gradient,
+            on_cuda=self.device.type == "cuda",
+        )
+
+    def get_ds_eval_config(self, offload: bool = False) -> dict[str, Any]:
+        """The DeepSpeed config of evaluation engines; ``offload`` keeps ZeRO-3
+        parameters in CPU memory."""
+        return ds_config.eval_config(
+            self.config,
+            world_size=self.world_size,
+            offload=offload,
+            on_cuda=self.device.type == "cuda",
+        )
+
+    def _after_setup(self) -> None:
+        # DeepSpeed's communication layer wraps the process group made by the base class.
+        deepspeed.init_distributed(dist_backend=dist.get_backend(), dist_init_required=False)
+        self.get_ds_train_config()  # a bad overlay fails here, before any model is built
+
+    # -- optimizers ----------------------------------------------------------------------
+    def _build_optimizer(
+        self, groups: list[dict[str, Any]], *, lr: float, betas: tuple[float, float], **kwargs: Any
+    ) -> torch.optim.Optimizer:
+        """DeepSpeed's CPU Adam when optimizer state is offloaded, its fused Adam on
+        CUDA, torch's AdamW on a CPU job (DeepSpeed's ops would need compiling there).
+        All are AdamW (decoupled weight decay)."""
+        if self.device.type == "cuda":
+            try:
+                if self.config.adam_offload and self.config.zero_stage > 0:
+                    from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+                    optimizer: torch.optim.Optimizer = DeepSpeedCPUAdam(
+                        groups, lr=lr, betas=betas, adamw_mode=True, **kwargs
+                    )
+                    return optimizer
+                from deepspeed.ops.adam import FusedAdam
+
+                optimizer = FusedAdam(groups, lr=lr, betas=betas, adam_w_mode=True, **kwargs)
+                return optimizer
+            except Exception as exc:  # the op failed to build on this machine
+                logger.warning(
+                    "DeepSpeed's Adam op is unavailable here (%s); using torch.optim.AdamW",
+                    _first_line(exc),
+                )
+        return build_adamw(groups, lr=lr, betas=betas, **kwargs)
+
+    # -- wrapping ------------------------------------------------------------------------
+    def _engine(self, model: nn.Module, what: str) -> DeepSpeedEngine:
+        if isinstance(model, DeepSpeedEngine):
+            return model
+        raise TypeError(
+            f"{what} needs the DeepSpeed engine that strategy.prepare((model, optimizer, "
+            f"scheduler)) returned, got {type(model).__name__}"
+        )
+
+    def _materialize(self, model: nn.Module) -> None:
+        """After ``init_model_context(meta_init=True)`` below ZeRO-3: ranks other than 0
+        allocate the model, then every rank takes rank 0's parameters and buffers."""
+        on_meta = any(p.is_meta for p in model.parameters())
+        if self.world_size > 1:
+            on_meta = bool(self.all_reduce(int(on_meta), "max"))
+        if not on_meta:
+            return
+        if not self.is_rank_0():
+            model.to_empty(device=self.device)
+        with torch.no_grad():
+            for tensor in [*model.parameters(), *model.buffers()]:
+                dist.broadcast(tensor.data, src=0)
+
+    def _initialize(self, model: nn.Module, config: dict[str, Any], **kwargs: Any) -> Any:
+        if not dist.is_initialized():
+            raise RuntimeError("call strategy.setup_distributed() before preparing models")
+        self._materialize(model)
+        engine, optimizer, _, scheduler = deepspeed.initialize(
+            model=model, config=config, dist_init_required=False, **kwargs
+        )
+        safe_checkpoint.install(engine)
+        self._engines.add(engine)
+        return engine, optimizer, scheduler
+
+    def _prepare_train(self, model: nn.Module, optimizer: Any, scheduler: Any) -> Triple:
+        if isinstance(model, DeepSpeedEngine):
+            return model, optimizer, scheduler
+        if optimizer is None:
+            raise ValueError(
+                "prepare((model, optimizer, scheduler)) needs an optimizer: build one with "
+                "strategy.create_optimizer(model)"
+            )
+        engine, ds_optimizer, ds_scheduler = self._initialize(
+            model, self.get_ds_train_config(), optimizer=optimizer, lr_scheduler=scheduler
+        )
+        return engine, ds_optimizer, ds_scheduler
+
+    def _prepare_train_model(self, model: nn.Module) -> nn.Module:
+        # DeepSpeed wraps a training model together with its optimizer, in prepare().
+        return model
+
+    def _prepare_eval(self, model: nn.Module, offload: bool = False) -> nn.Module:
+        if isinstance(model, DeepSpeedEngine):
+            return model
+        engine, _, _ = self._initialize(model, self.get_ds_eval_config(offload=offload))
+        engine.eval()
+        return engine  # type: ignore[no-any-return]
+
+    @contextlib.contextmanager
+    def init_model_context(self, meta_init: bool = False) -> Iterator[None]:
+        """Context in which to build models.
+
+        At ZeRO-3, models built here are partitioned as they are built
+        (``deepspeed.zero.Init``: each rank holds only its shard, rank 0's initial
+        values), and transformers' ``from_pretrained`` loads straight into the shards.
+        At stages 0-2 with ``meta_init``, ranks other than 0 build on the meta device
+        and take rank 0's weights when the model is prepared.
+        """
+        if self.config.zero_stage == 3:
+            train_config = self.get_ds_train_config()
+            self._enable_hf_zero3(train_config)
+            with deepspeed.zero.Init(config_dict_or_path=train_config):
+                yield
+        elif meta_init and self.world_size > 1 and not self.is_rank_0():
+            with torch.device("meta"):
+                yield
+        else:
+            yield
+
+    def _enable_hf_zero3(self, train_config: dict[str, Any]) -> None:
+        """Tell transformers (when installed) that ZeRO-3 is on, so ``from_pretrained``
+        loads weights into the partitions; it stays on while this strategy lives."""
+        if self._hf_ds_config is not None or not importlib.util.find_spec("transformers"):
+            return
+        try:
+            from transformers.integrations import HfDeepSpeedConfig
+
+            self._hf_ds_config = HfDeepSpeedConfig(train_config)
+        except (ImportError, importlib.metadata.PackageNotFoundError) as exc:
+            if not self.is_rank_0():
+                return
+            logger.warning(
+                "transformers' from_pretrained will not load into ZeRO-3 partitions (%s); "
+                "install accelerate for that, or build the model and load weights after",
+                _first_line(exc),
+            )
+
+    # -- training steps ------------------------------------------------------------------
+    def _sync_micro_steps(self, engine: DeepSpeedEngine) -> None:
+        # DeepSpeed decides the accumulation boundary from its own micro-step count;
+        # ours is the one saved in checkpoints, so DeepSpeed follows it.
+        engine.micro_steps = self.step_state(engine).micro_steps
+
+    def backward(self, loss: torch.Tensor, model: nn.Module, optimizer: Any, **kwargs: Any) -> None:
+        """``engine.backward``: scales by ``1 / accumulated_gradient`` and reduces
+        gradients on the last micro-step (every micro-step at ZeRO-2/3)."""
+        engine = self._engine(model, "backward")
+        self._sync_micro_steps(engine)
+        engine.backward(loss, **kwargs)
+
+    def _strategy_clips(self, engine: DeepSpeedEngine) -> bool:
+        # DeepSpeed at stage 0 in fp32 neither reports the norm nor skips non-finite steps
+        return bool(
+            engine.zero_optimization_stage() == 0
+            and not engine.bfloat16_enabled()
+            and not engine.fp16_enabled()
+        )
+
+    def optimizer_step(
+        self,
+        optimizer: torch.optim.Optimizer,
+        model: nn.Module,
+        scheduler: Any = None,
+        name: str = "model",
+        **kwargs: Any,
+    ) -> bool:
+        """``engine.step()``; see :meth:`StrategyBase.optimizer_step` for the meaning.
+
+        The engine steps the scheduler given to :meth:`prepare`; a ``scheduler``
+        passed here is stepped only when the engine has none.
+        """
+        engine = self._engine(model, "optimizer_step")
+        state = self.step_state(engine)
+        self._sync_micro_steps(engine)
+        boundary = bool(engine.is_gradient_accumulation_boundary())
+        norm: float | None = None
+        own = boundary and self._strategy_clips(engine)
+        if own:
+            params = [p for p in engine.module.parameters() if p.requires_grad]
+            norm = clip_and_check(params, self.config.max_norm)
+            if not math.isfinite(norm):
+                for param in params:
+                    param.grad = None
+                engine.optimizer.overflow = True  # DeepSpeed's "skip this step" signal
+        try:
+            engine.step(**kwargs)
+        finally:
+            if own and "overflow" in vars(engine.optimizer):
+                del engine.optimizer.overflow
+        state.micro_steps += 1
+        if not boundary:
+            return False
+        if norm is None:
+            reported = engine.get_global_grad_norm()
+            norm = float(reported) if reported is not None else float("nan")
+        state.last_grad_norm = norm
+        if not engine.was_step_applied():
+            state.skipped_steps += 1
+            logger.warning(
+                "%s: gradient norm is %s at step %d; skipping this optimizer step",
+                name,
+                norm,
+                state.global_steps + 1,
+            )
+            return False
+        if engine.lr_scheduler is None and scheduler is not None:
+            scheduler.step()
+        state.global_steps += 1
+        return True
+
+    # -- offloading ------------------------------------------------------------------------
+    def _engine_of(self, optimizer: Any) -> DeepSpeedEngine | None:
+        for engine in list(self._engines):
+            if engine.optimizer is optimizer or getattr(engine, "basic_optimizer", None) is (
+                optimizer
+            ):
+                return engine
+        return None
+
+    def maybe_offload_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """Move optimizer state to CPU memory (``engine.offload_states`` under ZeRO);
+        nothing to do on a CPU job or with ``adam_offload``."""
+        if self.config.adam_offload or self.device.type != "cuda":
+            return
+        engine = self._engine_of(optimizer)
+        if engine is not None and engine.zero_optimization_stage() > 0:
+            from deepspeed.runtime.zero.offload_config import OffloadStateTypeEnum
+
+            engine.offload_states(include=[OffloadStateTypeEnum.optim_states])
+        else:
+            super().maybe_offload_optimizer(optimizer)
+
+    def maybe_load_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        if self.config.adam_offload or self.device.type != "cuda":
+            return
+        engine = self._engine_of(optimizer)
+        if engine is not None and engine.zero_optimization_stage() > 0:
+            engine.reload_states()
+        else:
+            super().maybe_load_optimizer(optimizer)
+
+    # -- state -----------------------------------------------------------------------------
+    def full_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        """Full weights on rank 0 (ZeRO-3 parameters gathered module by module)."""
+        if isinstance(model, DeepSpeedEngine) and model.zero_optimization_partition_weights():
+            state = model._zero3_consolidated_16bit_state_dict()
+            return {k: v.detach().cpu() for k, v in (state or {}).items()}
+        module = self.unwrap_model(model)
+        partitioned = [p for p in module.parameters() if _is_partitioned(p)]
+        with deepspeed.zero.GatheredParameters(partitioned, enabled=bool(partitioned)):
+            if not self.is_rank_0():
+                return {}
+            return {k: v.detach().cpu().clone() for k, v in module.state_dict().items()}
+
+    def moving_average(
+        self, model: nn.Module, model_ema: nn.Module, beta: float = 0.992, device: str = "cpu"
+    ) -> None:
+        """``ema = beta * ema + (1 - beta) * model``. Two ZeRO-3 models partitioned
+        alike update shard by shard (no communication); otherwise the model's ZeRO-3
+        parameters are gathered (and a ZeRO-3 EMA model written back from rank 0)."""
+        ema_params = dict(self.unwrap_model(model_ema).named_parameters())
+        with torch.no_grad():
+            for name, param in self.unwrap_model(model).named_parameters():
+                if not param.requires_grad:
+                    continue
+                ema = ema_params.get(name)
+                if ema is None:
+                    raise ValueError(f"moving_average: the EMA model has no parameter {name!r}")
+                if (
+                    _is_partitioned(param)
+                    and _is_partitioned(ema)
+                    and param.ds_tensor.numel() == ema.ds_tensor.numel()
+                ):
+                    target, source = ema.ds_tensor, param.ds_tensor
+                    target.mul_(beta).add_(source.to(target.device, target.dtype), alpha=1 - beta)
+                    continue
+                fetch = [p for p in (param, ema) if _is_partitioned(p)]
+                modifier = 0 if _is_partitioned(ema) else None
+                with deepspeed.zero.GatheredParameters(
+                    fetch, modifier_rank=modifier, enabled=bool(fetch)
+                ):
+                    if modifier is None or self.is_rank_0():
+                        ema.data.mul_(beta).add_(
+                            param.data.to(ema.device, ema.dtype), alpha=1 - beta
+                        )
+
+    def save_backend_state(self, model: nn.Module, optimizer: Any, directory: Path) -> None:
+        """DeepSpeed's engine checkpoint, written into the tag directory itself."""
+        engine = self._engine(model, "save_ckpt")
+        engine.save_checkpoint(
+            str(directory.parent), tag=directory.name, client_state={}, save_latest=False
+        )
+
+    def load_backend_state(
+        self, model: nn.Module, optimizer: Any, directory: Path, strict: bool
+    ) -> None:
+        engine = self._engine(model, "load_ckpt")
+        try:
+            path, _ = engine.load_checkpoint(
+                str(directory.parent),
+                tag=directory.name,
+                load_module_strict=strict,
+                load_optimizer_states=optimizer is not None,
+                load_lr_scheduler_states=False,  # the shared layout holds the scheduler
+                load_module_only=False,  # ZeRO's weights live in its optimizer files
+            )
+        except CheckpointError:
+            raise
+        except Exception as exc:
+            raise CheckpointError(
+                f"{directory} does not fit this model/optimizer "
+                f"({type(self.unwrap_model(model)).__name__}, ZeRO stage "
+                f"{engine.zero_optimization_stage()}, world size {self.world_size}): "
+                f"{_first_line(exc)}. Load it into the model it was saved from, with the "
+                "same ZeRO stage and world size"
+            ) from exc
+        if path is None:
+            raise CheckpointError(
+                f"DeepSpeed found no engine checkpoint in {directory}; it may be incomplete"
+            )
+
+    # -- teardown ------------------------------------------------------------------------
+    def close(self) -> None:
+        """Release every engine, then the process group (DeepSpeed's order)."""
+        for engine in list(self._engines):
+            engine.destroy()
+        self._engines = weakref.WeakSet()
+        self._hf_ds_config = None
+        gc.collect()
+        super().close()
