@@ -76,6 +76,14 @@ def smoke_train_and_checkpoint() -> None:
         strategy.save_model(actor, None, Path(tmp) / "export")
         assert (Path(tmp) / "export" / "model.safetensors").is_file()
         strategy.close()
+    # without the deepspeed extra, the DeepSpeed backend says which extra to install
+    try:
+        get_strategy({"backend": "deepspeed"})
+    except ImportError as exc:
+        if "pip install 'lightrft-strategy[deepspeed]'" not in str(exc):
+            raise SystemExit(f"the missing-extra error does not name the extra: {exc}") from exc
+    else:
+        raise SystemExit("backend='deepspeed' built a strategy without deepspeed installed")
 
 
 if __name__ == "__main__":

@@ -161,9 +161,7 @@ def test_deepspeed_config_from_mapping_json_text_or_path(tmp_path: Path) -> None
     # a path stays a path (the DeepSpeed backend reads it)
     path = tmp_path / "ds.json"
     assert StrategyConfig(deepspeed_config=path).deepspeed_config == str(path)
-    assert StrategyConfig.from_argv(["--deepspeed-config", str(path)]).deepspeed_config == str(
-        path
-    )
+    assert StrategyConfig.from_argv(["--deepspeed-config", str(path)]).deepspeed_config == str(path)
 
 
 @pytest.mark.parametrize(

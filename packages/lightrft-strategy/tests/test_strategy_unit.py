@@ -67,9 +67,14 @@ def test_get_strategy_accepts_upstream_inputs(args: object) -> None:
     assert strategy.args is args
 
 
-def test_default_backend_is_deepspeed_which_is_not_implemented_yet() -> None:
-    with pytest.raises(ImportError, match=r"backend 'deepspeed' is not implemented.*fsdp2"):
-        get_strategy({})
+def test_default_backend_is_deepspeed_or_an_error_naming_its_extra() -> None:
+    import importlib.util
+
+    if importlib.util.find_spec("deepspeed") is None:  # the fsdp2 session
+        with pytest.raises(ImportError, match=r"pip install 'lightrft-strategy\[deepspeed\]'"):
+            get_strategy({})
+    else:  # the deepspeed session
+        assert type(get_strategy({})).__name__ == "DeepspeedStrategy"
 
 
 def test_a_backend_missing_its_library_names_the_extra() -> None:

@@ -5,6 +5,7 @@ They live in an importable module so the launcher's spawned processes can find t
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -83,17 +84,28 @@ def train(
     load_dir: str | None = None,
     total_steps: int = 100,
     meta_init: bool = False,
+    ema_beta: float | None = None,
+    init_context: bool = True,
 ) -> dict[str, Any]:
     """Train ``steps`` optimizer steps; optionally resume from ``load_dir`` first and
     save to ``save_dir`` after. Returns losses, sample indices used, grad norms, and
-    (rank 0) the full final state dict."""
+    (rank 0) the full final state dict. With ``ema_beta``, also the EMA after each
+    step of (a) a model built and prepared like the actor (sharded or partitioned
+    alike) and (b) a plain module, both starting from the actor's initial weights."""
     strategy = get_strategy(cfg)
     strategy.setup_distributed()
     if meta_init:  # ranks would build different weights: only rank 0's may survive
         torch.manual_seed(cfg["seed"] + strategy.get_rank())
-    with strategy.init_model_context(meta_init=meta_init):
+    with strategy.init_model_context(meta_init=meta_init) if init_context else nullcontext():
         model = TinyNet(dropout)
     built_on_meta = any(p.is_meta for p in model.parameters())
+    emas: dict[str, nn.Module] = {}
+    if ema_beta is not None:
+        for name in ("prepared", "plain"):
+            torch.manual_seed(cfg["seed"])  # the actor's initial weights
+            with strategy.init_model_context() if name == "prepared" else nullcontext():
+                emas[name] = TinyNet(dropout)
+        emas["prepared"] = strategy.prepare_model(emas["prepared"])
     (actor, optim, sched), *_ = strategy.prepare_models_and_optimizers(
         model, None, None, None, None, max_steps=total_steps
     )
@@ -109,7 +121,9 @@ def train(
             x, y = x.to(strategy.device), y.to(strategy.device)
             loss = nn.functional.mse_loss(actor(x), y)
             strategy.backward(loss, actor, optim)
-            strategy.optimizer_step(optim, actor, sched)
+            if strategy.optimizer_step(optim, actor, sched):
+                for ema in emas.values():
+                    strategy.moving_average(actor, ema, ema_beta or 0.0)
             micro_losses.append(loss.detach())
             used.append(index.tolist())
         losses.append(float(strategy.all_reduce(torch.stack(micro_losses).mean().cpu())))
@@ -117,9 +131,18 @@ def train(
     if save_dir is not None:
         strategy.save_ckpt(actor, save_dir)
     state = strategy.full_state_dict(actor)
+    ema_states: dict[str, Any] = {}
+    if emas:
+        ema_states["sharded"] = any(
+            hasattr(p, "ds_id") or type(p).__name__ == "DTensor"
+            for p in emas["prepared"].parameters()
+        )  # full_state_dict is collective: every rank calls it
+        ema_states["prepared"] = strategy.full_state_dict(emas["prepared"])
+        ema_states["plain"] = {k: v.detach().clone() for k, v in emas["plain"].state_dict().items()}
     rank = strategy.get_rank()
     strategy.close()
     return {
+        "ema": ema_states if rank == 0 else None,
         "losses": losses,
         "used": used,
         "norms": norms,
@@ -130,12 +153,18 @@ def train(
 
 
 def reference(
-    cfg: dict[str, Any], steps: int, used_by_rank: list[list[list[int]]]
+    cfg: dict[str, Any],
+    steps: int,
+    used_by_rank: list[list[list[int]]],
+    ema_beta: float | None = None,
+    init_context: bool = True,
 ) -> dict[str, Any]:
     """The same training in one process with plain torch: every rank's micro-batches,
-    summed with weight 1 / (micro-batches x ranks), clipped, stepped."""
+    summed with weight 1 / (micro-batches x ranks), clipped, stepped (and the EMA of
+    the parameters after each step, with ``ema_beta``)."""
     torch.manual_seed(cfg["seed"])
     model = TinyNet()
+    ema = {n: p.detach().clone() for n, p in model.named_parameters()}
     data = IndexedRegression()
     decay = [p for p in model.parameters() if p.ndim > 1]
     no_decay = [p for p in model.parameters() if p.ndim <= 1]
@@ -159,7 +188,11 @@ def reference(
         optim.step()
         optim.zero_grad()
         losses.append(total)
+        if ema_beta is not None:
+            for name, param in model.named_parameters():
+                ema[name] = ema_beta * ema[name] + (1 - ema_beta) * param.detach()
     return {
+        "ema": ema,
         "losses": losses,
         "state": {k: v.detach().clone() for k, v in model.state_dict().items()},
     }

@@ -532,6 +532,11 @@ class StrategyBase(ABC):
         """The (optimizer, scheduler) :meth:`prepare` paired with ``model``, or Nones."""
         return self._optimizers.get(model, (None, None))
 
+    def checkpoint_info(self) -> dict[str, Any]:
+        """Backend: facts recorded in a checkpoint's metadata that decide whether it can
+        be loaded (DeepSpeed: the ZeRO stage). Plain JSON values."""
+        return {}
+
     @abstractmethod
     def save_backend_state(self, model: nn.Module, optimizer: Any, directory: Path) -> None:
         """Backend: write model (and optimizer) state into ``directory``. Collective."""

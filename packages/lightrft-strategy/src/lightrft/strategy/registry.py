@@ -22,7 +22,10 @@ logger = logging.getLogger(__name__)
 #: name -> ("module:Class", the distribution/extra that provides it)
 BUILTIN: dict[str, tuple[str, str]] = {
     "fsdp2": ("lightrft.strategy.fsdp2:FSDP2Strategy", "lightrft-strategy"),
-    "deepspeed": ("lightrft.strategy.deepspeed.strategy:DeepspeedStrategy", "lightrft-strategy[deepspeed]"),
+    "deepspeed": (
+        "lightrft.strategy.deepspeed.strategy:DeepspeedStrategy",
+        "lightrft-strategy[deepspeed]",
+    ),
     "fake": ("lightrft.testing:FakeStrategy", "lightrft-testing"),
 }
 _registered: dict[str, Any] = {}

@@ -85,6 +85,7 @@ def save_checkpoint(
         "global_step": step,
         "has_optimizer": optimizer is not None,
         "has_scheduler": scheduler is not None,
+        "backend_info": strategy.checkpoint_info(),
         "versions": _versions(),
     }
     final = ckpt.commit(tag, staging, metadata, update_latest=save_latest)

@@ -4,23 +4,26 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import importlib
 import importlib.metadata
 import importlib.util
+import json
 import logging
 import math
 import weakref
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import deepspeed
 import torch
 import torch.distributed as dist
 from deepspeed.runtime.engine import DeepSpeedEngine
 from torch import nn
+from torch.utils._pytree import tree_map
 
 from lightrft.strategy.base import StrategyBase, Triple
-from lightrft.strategy.checkpoint.layout import CheckpointError
+from lightrft.strategy.checkpoint.layout import METADATA_FILE, CheckpointError
 from lightrft.strategy.deepspeed import ds_config, safe_checkpoint
 from lightrft.strategy.optim import build_adamw
 from lightrft.strategy.stepping import clip_and_check
@@ -59,6 +62,7 @@ class DeepspeedStrategy(StrategyBase):
         super().__init__(config, **overrides)
         self._engines: weakref.WeakSet[DeepSpeedEngine] = weakref.WeakSet()
         self._hf_ds_config: Any = None  # keeps transformers' ZeRO-3 switch alive
+        self._hf_zero3_tried = False
 
     # -- configs -------------------------------------------------------------------------
     def get_ds_train_config(self, is_actor: bool = True) -> dict[str, Any]:
@@ -137,10 +141,30 @@ class DeepspeedStrategy(StrategyBase):
             for tensor in [*model.parameters(), *model.buffers()]:
                 dist.broadcast(tensor.data, src=0)
 
+    def _cast_forward_inputs(self, model: nn.Module) -> None:
+        """In bf16/fp16, cast floating-point inputs to the compute dtype as FSDP2's
+        mixed precision does (DeepSpeed casts the weights, not the inputs), so the
+        same training code runs on both backends."""
+        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.config.resolved_precision)
+        if dtype is None or getattr(model, "_lightrft_casts_inputs", False):
+            return
+
+        def cast(value: Any) -> Any:
+            if isinstance(value, torch.Tensor) and value.is_floating_point():
+                return value.to(dtype)
+            return value
+
+        def hook(_: nn.Module, args: Any, kwargs: Any) -> tuple[Any, Any]:
+            return tree_map(cast, args), tree_map(cast, kwargs)
+
+        model.register_forward_pre_hook(hook, with_kwargs=True)
+        model._lightrft_casts_inputs = True  # type: ignore[assignment]
+
     def _initialize(self, model: nn.Module, config: dict[str, Any], **kwargs: Any) -> Any:
         if not dist.is_initialized():
             raise RuntimeError("call strategy.setup_distributed() before preparing models")
         self._materialize(model)
+        self._cast_forward_inputs(model)
         engine, optimizer, _, scheduler = deepspeed.initialize(
             model=model, config=config, dist_init_required=False, **kwargs
         )
@@ -167,10 +191,10 @@ class DeepspeedStrategy(StrategyBase):
 
     def _prepare_eval(self, model: nn.Module, offload: bool = False) -> nn.Module:
         if isinstance(model, DeepSpeedEngine):
-            return model
+            return cast(nn.Module, model)
         engine, _, _ = self._initialize(model, self.get_ds_eval_config(offload=offload))
         engine.eval()
-        return engine  # type: ignore[no-any-return]
+        return cast(nn.Module, engine)
 
     @contextlib.contextmanager
     def init_model_context(self, meta_init: bool = False) -> Iterator[None]:
@@ -181,10 +205,20 @@ class DeepspeedStrategy(StrategyBase):
         values), and transformers' ``from_pretrained`` loads straight into the shards.
         At stages 0-2 with ``meta_init``, ranks other than 0 build on the meta device
         and take rank 0's weights when the model is prepared.
+
+        Under ZeRO-3 in bf16/fp16, parameters are created in that dtype, so their
+        initialisers run in it (torch's low-precision ``uniform_`` turns a value that
+        rounds to the upper bound into the lower bound): initial weights are not the
+        fp32 ones rounded. Load pretrained weights, or build outside this context to
+        initialise in fp32 (a full copy per rank until prepared).
         """
         if self.config.zero_stage == 3:
             train_config = self.get_ds_train_config()
             self._enable_hf_zero3(train_config)
+            # zero.Init replaces torch.Tensor.__new__; torch._dynamo checks that
+            # signature when first imported (transformers imports it lazily while
+            # building a model), so import it before the patch.
+            importlib.import_module("torch._dynamo")
             with deepspeed.zero.Init(config_dict_or_path=train_config):
                 yield
         elif meta_init and self.world_size > 1 and not self.is_rank_0():
@@ -196,12 +230,12 @@ class DeepspeedStrategy(StrategyBase):
     def _enable_hf_zero3(self, train_config: dict[str, Any]) -> None:
         """Tell transformers (when installed) that ZeRO-3 is on, so ``from_pretrained``
         loads weights into the partitions; it stays on while this strategy lives."""
-        if self._hf_ds_config is not None or not importlib.util.find_spec("transformers"):
+        if self._hf_zero3_tried or not importlib.util.find_spec("transformers"):
             return
+        self._hf_zero3_tried = True
         try:
-            from transformers.integrations import HfDeepSpeedConfig
-
-            self._hf_ds_config = HfDeepSpeedConfig(train_config)
+            integrations = importlib.import_module("transformers.integrations")
+            self._hf_ds_config = integrations.HfDeepSpeedConfig(train_config)
         except (ImportError, importlib.metadata.PackageNotFoundError) as exc:
             if not self.is_rank_0():
                 return
@@ -317,16 +351,34 @@ class DeepspeedStrategy(StrategyBase):
 
     # -- state -----------------------------------------------------------------------------
     def full_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
-        """Full weights on rank 0 (ZeRO-3 parameters gathered module by module)."""
-        if isinstance(model, DeepSpeedEngine) and model.zero_optimization_partition_weights():
-            state = model._zero3_consolidated_16bit_state_dict()
-            return {k: v.detach().cpu() for k, v in (state or {}).items()}
+        """Full weights on rank 0, tensor by tensor (ZeRO-3 partitions gathered). A
+        training engine in bf16/fp16 gives its fp32 master weights, as FSDP2 does, so
+        an export means the same on both backends. Collective."""
+        from deepspeed.utils import safe_get_full_fp32_param
+
         module = self.unwrap_model(model)
-        partitioned = [p for p in module.parameters() if _is_partitioned(p)]
-        with deepspeed.zero.GatheredParameters(partitioned, enabled=bool(partitioned)):
-            if not self.is_rank_0():
-                return {}
-            return {k: v.detach().cpu().clone() for k, v in module.state_dict().items()}
+        masters = (
+            isinstance(model, DeepSpeedEngine)
+            and self.config.resolved_precision != "fp32"
+            and model.optimizer is not None
+        )
+        rank0 = self.is_rank_0()
+        out: dict[str, torch.Tensor] = {}
+        first_name: dict[int, str] = {}
+        for name, tensor in module.state_dict(keep_vars=True).items():
+            if id(tensor) in first_name:  # tied weights stay one tensor
+                if rank0:
+                    out[name] = out[first_name[id(tensor)]]
+                continue
+            first_name[id(tensor)] = name
+            full = safe_get_full_fp32_param(tensor) if masters else None
+            if full is None:
+                gather = _is_partitioned(tensor)
+                with deepspeed.zero.GatheredParameters([tensor], enabled=gather):
+                    full = tensor.detach().cpu().clone() if rank0 else None
+            if rank0 and full is not None:
+                out[name] = full.detach().cpu()
+        return out
 
     def moving_average(
         self, model: nn.Module, model_ema: nn.Module, beta: float = 0.992, device: str = "cpu"
@@ -342,12 +394,14 @@ class DeepspeedStrategy(StrategyBase):
                 ema = ema_params.get(name)
                 if ema is None:
                     raise ValueError(f"moving_average: the EMA model has no parameter {name!r}")
+                shard = getattr(param, "ds_tensor", None)
+                ema_shard = getattr(ema, "ds_tensor", None)
                 if (
-                    _is_partitioned(param)
-                    and _is_partitioned(ema)
-                    and param.ds_tensor.numel() == ema.ds_tensor.numel()
+                    shard is not None
+                    and ema_shard is not None
+                    and (shard.numel() == ema_shard.numel())
                 ):
-                    target, source = ema.ds_tensor, param.ds_tensor
+                    target, source = ema_shard, shard
                     target.mul_(beta).add_(source.to(target.device, target.dtype), alpha=1 - beta)
                     continue
                 fetch = [p for p in (param, ema) if _is_partitioned(p)]
@@ -360,6 +414,30 @@ class DeepspeedStrategy(StrategyBase):
                             param.data.to(ema.device, ema.dtype), alpha=1 - beta
                         )
 
+    def checkpoint_info(self) -> dict[str, Any]:
+        return {"zero_stage": self.config.zero_stage, "precision": self.config.resolved_precision}
+
+    def _check_fits(self, directory: Path) -> None:
+        """ZeRO's partitioned files load only at the stage and world size that wrote them."""
+        metadata = json.loads((directory / METADATA_FILE).read_text())
+        stage = metadata.get("backend_info", {}).get("zero_stage")
+        world = metadata.get("world_size")
+        if stage is not None and stage != self.config.zero_stage:
+            raise CheckpointError(
+                f"{directory} was saved at ZeRO stage {stage}, this run uses zero_stage="
+                f"{self.config.zero_stage}; DeepSpeed's engine files do not convert between "
+                f"stages. Resume with zero_stage={stage}, or export the weights with "
+                "zero_to_fp32.py (in the checkpoint directory) and start from them"
+            )
+        partitioned = max(stage or 0, self.config.zero_stage) > 0
+        if partitioned and world is not None and world != self.world_size:
+            raise CheckpointError(
+                f"{directory} was saved at world size {world}, this run has "
+                f"{self.world_size} ranks; ZeRO stage {self.config.zero_stage} partitions "
+                f"state per rank. Resume with {world} ranks, or export the weights with "
+                "zero_to_fp32.py (in the checkpoint directory) and start from them"
+            )
+
     def save_backend_state(self, model: nn.Module, optimizer: Any, directory: Path) -> None:
         """DeepSpeed's engine checkpoint, written into the tag directory itself."""
         engine = self._engine(model, "save_ckpt")
@@ -371,6 +449,7 @@ class DeepspeedStrategy(StrategyBase):
         self, model: nn.Module, optimizer: Any, directory: Path, strict: bool
     ) -> None:
         engine = self._engine(model, "load_ckpt")
+        self._check_fits(directory)
         try:
             path, _ = engine.load_checkpoint(
                 str(directory.parent),

@@ -1,0 +1,158 @@
+"""Rank functions for the DeepSpeed tests (importable by the launcher's processes)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightrft.strategy import get_strategy
+
+from .workers import IndexedRegression, TinyNet, config, tiny_qwen2
+
+
+def ds(stage: int, **changes: Any) -> dict[str, Any]:
+    return config(backend="deepspeed", zero_stage=stage, **changes)
+
+
+def prepare_case(stage: int) -> dict[str, Any]:
+    """prepare / prepare_models_and_optimizers shapes, the engines' configs (with a
+    user overlay), unwrap_model, and a step through the critic."""
+    from deepspeed import DeepSpeedEngine
+
+    overlay = {"zero_optimization": {"reduce_bucket_size": 123456}, "gradient_clipping": 0.3}
+    strategy = get_strategy(ds(stage, deepspeed_config=overlay))
+    strategy.setup_distributed()
+    with strategy.init_model_context():
+        actor, critic, rm1, rm2, initial = (TinyNet() for _ in range(5))
+    (a, a_opt, a_sched), (c, c_opt, c_sched), rewards, ref = strategy.prepare_models_and_optimizers(
+        actor, critic, [rm1, rm2], initial, max_steps=4
+    )
+    single = strategy.prepare(TinyNet())
+    batches = iter(strategy.setup_dataloader(IndexedRegression()))
+    stepped = []
+    for _ in range(strategy.accumulated_gradient):
+        _, x, y = next(batches)
+        strategy.backward(nn.functional.mse_loss(c(x), y), c, c_opt)
+        stepped.append(strategy.optimizer_step(c_opt, c, c_sched, name="critic"))
+    with torch.no_grad():
+        ref_out = ref(torch.zeros(2, 16))
+    facts = {
+        "engines": [isinstance(m, DeepSpeedEngine) for m in (a, c, *rewards, ref, single)],
+        "eval_mode": [not strategy.unwrap_model(m).training for m in (*rewards, ref, single)],
+        "unwrapped": type(strategy.unwrap_model(a)).__name__,
+        "train_stage": a.zero_optimization_stage(),
+        "eval_stage": ref.zero_optimization_stage(),
+        "bucket": a.zero_reduce_bucket_size(),
+        "clipping": a.gradient_clipping(),
+        "gas": a.gradient_accumulation_steps(),
+        "train_batch": a.train_batch_size(),
+        "sched_is_engines": a.lr_scheduler is a_sched,
+        "stepped": stepped,
+        "critic_steps": strategy.step_state(c).global_steps,
+        "actor_steps": strategy.step_state(a).global_steps,
+        "ref_out_shape": tuple(ref_out.shape),
+        "train_config": strategy.get_ds_train_config(),
+        "eval_config": strategy.get_ds_eval_config(offload=True),
+        "a_opt_type": type(a_opt).__name__,
+    }
+    strategy.close()
+    return facts
+
+
+def save_model_case(out_dir: str, stage: int) -> dict[str, Any]:
+    """Build a tiny HF model in init_model_context (partitioned at ZeRO-3), train one
+    step, save_model, and return the engine's logits."""
+    strategy = get_strategy(ds(stage, train_batch_size=2, micro_train_batch_size=1))
+    strategy.setup_distributed()
+    with strategy.init_model_context():
+        model = tiny_qwen2()
+    partitioned = all(hasattr(p, "ds_id") for p in model.parameters())
+    (actor, optim, _), *_ = strategy.prepare_models_and_optimizers(
+        model, None, None, None, None, 10
+    )
+    ids = torch.arange(16).reshape(1, 16) % 128
+    loss = actor(input_ids=ids, labels=ids).loss
+    strategy.backward(loss, actor, optim)
+    stepped = strategy.optimizer_step(optim, actor, None)
+    strategy.save_model(actor, None, out_dir)
+    actor.eval()
+    with torch.no_grad():
+        logits = actor(input_ids=ids).logits
+    strategy.close()
+    return {"logits": logits, "stepped": stepped, "partitioned": partitioned}
+
+
+def nonfinite_case(stage: int, precision: str) -> dict[str, Any]:
+    """A step whose gradients hold a NaN is skipped (parameters, optimizer and LR
+    untouched); the next finite step is applied."""
+    strategy = get_strategy(
+        ds(stage, precision=precision, train_batch_size=4, lr_scheduler="linear")
+    )
+    strategy.setup_distributed()
+    (actor, optim, sched), *_ = strategy.prepare_models_and_optimizers(
+        TinyNet(), None, None, None, None, 10
+    )
+    x, y = torch.randn(2, 16), torch.randn(2, 4)
+    before = {k: v.clone() for k, v in strategy.full_state_dict(actor).items()}
+    lr_before = sched.get_last_lr()[0]
+    loss = nn.functional.mse_loss(actor(x), y) * (float("nan") if strategy.is_rank_0() else 1.0)
+    strategy.backward(loss, actor, optim)
+    skipped = not strategy.optimizer_step(optim, actor, sched)
+    after_skip = strategy.full_state_dict(actor)
+    lr_after_skip = sched.get_last_lr()[0]
+    strategy.backward(nn.functional.mse_loss(actor(x), y), actor, optim)
+    applied = strategy.optimizer_step(optim, actor, sched)
+    after_step = strategy.full_state_dict(actor)
+    state = strategy.step_state(actor)
+    result = {
+        "skipped": skipped,
+        "applied": applied,
+        "unchanged": all(torch.equal(before[k], after_skip[k]) for k in before)
+        if strategy.is_rank_0()
+        else None,
+        "changed": any(not torch.equal(before[k], after_step[k]) for k in before)
+        if strategy.is_rank_0()
+        else None,
+        "finite": all(torch.isfinite(v).all().item() for v in after_step.values()),
+        "lr": (lr_before, lr_after_skip, sched.get_last_lr()[0]),
+        "counters": (state.global_steps, state.skipped_steps, state.micro_steps),
+    }
+    strategy.close()
+    return result
+
+
+def teardown_case(stage: int, save_dir: str) -> int:
+    """One short ZeRO job: build, step, checkpoint, close. Returns the step count."""
+    strategy = get_strategy(ds(stage, train_batch_size=4))
+    strategy.setup_distributed()
+    with strategy.init_model_context():
+        model = TinyNet()
+    (actor, optim, sched), *_ = strategy.prepare_models_and_optimizers(
+        model, None, None, None, None, 10
+    )
+    strategy.backward(
+        nn.functional.mse_loss(actor(torch.randn(2, 16)), torch.randn(2, 4)), actor, optim
+    )
+    strategy.optimizer_step(optim, actor, sched)
+    strategy.save_ckpt(actor, save_dir, max_num=1)
+    steps = strategy.step_state(actor).global_steps
+    strategy.close()
+    return steps
+
+
+def load_case(stage: int, load_dir: str) -> str:
+    """Try to load ``load_dir`` into a fresh ZeRO-``stage`` actor; return the error."""
+    strategy = get_strategy(ds(stage))
+    strategy.setup_distributed()
+    (actor, _, _), *_ = strategy.prepare_models_and_optimizers(
+        TinyNet(), None, None, None, None, 10
+    )
+    try:
+        strategy.load_ckpt(actor, load_dir)
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+    finally:
+        strategy.close()
+    return "loaded"

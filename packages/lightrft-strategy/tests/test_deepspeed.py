@@ -1,0 +1,183 @@
+"""DeepSpeed (ZeRO 0-3) on 2 real gloo ranks with DeepSpeed's CPU accelerator.
+
+Tolerances: fp32 throughout unless named; parity with the unsharded reference and
+with FSDP2 within rtol 1e-5 / atol 1e-6 (reduction order differs); resume bit for
+bit; EMA within rtol 1e-5 of the EMA of the unsharded reference.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from lightrft.strategy.checkpoint.layout import METADATA_FILE
+from lightrft.testing.launcher import run_distributed
+
+from . import ds_workers, workers
+
+pytestmark = [pytest.mark.deepspeed, pytest.mark.distributed, pytest.mark.timeout(400)]
+
+PARITY = {
+    "zero0": {"backend": "deepspeed", "zero_stage": 0},
+    "zero1": {"backend": "deepspeed", "zero_stage": 1},
+    "zero2": {"backend": "deepspeed", "zero_stage": 2},
+    "zero3": {"backend": "deepspeed", "zero_stage": 3},
+    "fsdp2": {"backend": "fsdp2"},
+}
+_losses: dict[str, list[float]] = {}
+
+
+@pytest.mark.parametrize("name", list(PARITY))
+def test_zero_stages_and_fsdp2_match_unsharded_training(name: str) -> None:
+    cfg = workers.config(**PARITY[name])
+    steps = 5
+    ranks = run_distributed(workers.train, 2, cfg, steps, init_process_group=False, timeout=300)
+    assert len(ranks[0]["used"]) == steps * 2  # accumulation: 8 / (2 micro x 2 ranks)
+    assert ranks[0]["losses"] == ranks[1]["losses"]
+    assert max(ranks[0]["norms"]) > cfg["max_norm"], "clipping was never active"
+    ref = workers.reference(cfg, steps, [r["used"] for r in ranks])
+    torch.testing.assert_close(ranks[0]["losses"], ref["losses"], rtol=1e-5, atol=1e-6)
+    workers.assert_states_close(ranks[0]["state"], ref["state"], rtol=1e-5, atol=1e-6)
+    assert all(t.dtype == torch.float32 for t in ranks[0]["state"].values())
+    _losses[name] = ranks[0]["losses"]
+    # every backend run so far agrees with every other, not only with the reference
+    for other, losses in _losses.items():
+        torch.testing.assert_close(losses, ranks[0]["losses"], rtol=1e-5, atol=1e-6, msg=other)
+
+
+def test_zero3_bf16_stays_close_to_fp32_training() -> None:
+    """bf16 weights, fp32 master weights. The model is built outside
+    init_model_context: under ZeRO-3 that context builds parameters in bf16, and
+    torch's bf16 initialisers differ from fp32 ones (a value that rounds up to the
+    upper bound is drawn as the lower bound), which no tolerance on training covers."""
+    cfg = workers.config(backend="deepspeed", zero_stage=3, precision="bf16")
+    ranks = run_distributed(
+        workers.train, 2, cfg, 5, init_context=False, init_process_group=False, timeout=300
+    )
+    ref = workers.reference(cfg, 5, [r["used"] for r in ranks])
+    torch.testing.assert_close(ranks[0]["losses"], ref["losses"], rtol=2e-2, atol=2e-3)
+    for name, value in ranks[0]["state"].items():  # fp32 master weights, as FSDP2
+        error = torch.linalg.vector_norm(value - ref["state"][name])
+        assert error <= 2e-2 * torch.linalg.vector_norm(ref["state"][name]), name
+    assert all(t.dtype == torch.float32 for t in ranks[0]["state"].values())
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_resume_is_bit_exact_with_dropout_and_a_mid_epoch_loader(
+    stage: int, tmp_path: Path
+) -> None:
+    cfg = ds_workers.ds(stage, lr_warmup_ratio=0.5, lr_scheduler="cosine_with_min_lr")
+    run = {"dropout": 0.1, "total_steps": 6, "init_process_group": False, "timeout": 300}
+    full = run_distributed(workers.train, 2, cfg, 6, **run)
+    first = run_distributed(workers.train, 2, cfg, 3, save_dir=str(tmp_path), **run)
+    second = run_distributed(workers.train, 2, cfg, 3, load_dir=str(tmp_path), **run)
+    assert first[0]["losses"] + second[0]["losses"] == full[0]["losses"]
+    for rank in range(2):
+        assert first[rank]["used"] + second[rank]["used"] == full[rank]["used"]
+    workers.assert_states_close(second[0]["state"], full[0]["state"], rtol=0, atol=0)
+    assert second[0]["lr"] == full[0]["lr"]
+    tag = tmp_path / "global_step3"
+    metadata = json.loads((tag / METADATA_FILE).read_text())
+    assert metadata["backend"] == "deepspeed"
+    assert metadata["backend_info"]["zero_stage"] == stage
+    # DeepSpeed's own engine files sit in the tag directory: its own tool reads them
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    assert (tmp_path / "zero_to_fp32.py").is_file()  # DeepSpeed's recovery script
+    converted = get_fp32_state_dict_from_zero_checkpoint(str(tmp_path), tag="global_step3")
+    workers.assert_states_close(dict(converted), first[0]["state"], rtol=0, atol=0)
+
+
+def test_checkpoint_of_another_stage_or_world_size_is_refused(tmp_path: Path) -> None:
+    run = {"init_process_group": False, "timeout": 300}
+    run_distributed(ds_workers.teardown_case, 2, 2, str(tmp_path), **run)
+    tag = tmp_path / "global_step1"
+    before = {p.name: p.stat().st_size for p in tag.iterdir()}
+    errors = run_distributed(ds_workers.load_case, 2, 3, str(tmp_path), **run)
+    assert errors[0] == errors[1]
+    assert "CheckpointError" in errors[0]
+    assert "saved at ZeRO stage 2, this run uses zero_stage=3" in errors[0]
+    assert "Resume with zero_stage=2" in errors[0]
+    (single,) = run_distributed(ds_workers.load_case, 1, 2, str(tmp_path), **run)
+    assert "saved at world size 2, this run has 1 ranks" in single
+    assert {p.name: p.stat().st_size for p in tag.iterdir()} == before  # nothing touched
+
+
+def test_ema_of_zero3_model_equals_ema_of_unsharded_training() -> None:
+    cfg = ds_workers.ds(3)
+    ranks = run_distributed(
+        workers.train, 2, cfg, 3, ema_beta=0.9, init_process_group=False, timeout=300
+    )
+    ref = workers.reference(cfg, 3, [r["used"] for r in ranks], ema_beta=0.9)
+    ema = ranks[0]["ema"]
+    assert ema["sharded"] is True  # the prepared EMA model is partitioned like the actor
+    workers.assert_states_close(ema["prepared"], ref["ema"], rtol=1e-5, atol=1e-6)
+    workers.assert_states_close(ema["plain"], ref["ema"], rtol=1e-5, atol=1e-6)
+
+
+def test_zero3_save_model_writes_hf_safetensors_that_reload_identically(
+    tmp_path: Path,
+) -> None:
+    import transformers
+
+    out = tmp_path / "hf"
+    ranks = run_distributed(
+        ds_workers.save_model_case, 2, str(out), 3, init_process_group=False, timeout=300
+    )
+    assert ranks[0]["stepped"] is True
+    assert ranks[0]["partitioned"] is True  # built under zero.Init: each rank a shard
+    assert {p.name for p in out.iterdir()} >= {"config.json", "model.safetensors"}
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    with torch.no_grad():
+        logits = reloaded(input_ids=torch.arange(16).reshape(1, 16) % 128).logits
+    torch.testing.assert_close(logits, ranks[0]["logits"], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_prepare_shapes_configs_and_overlay(stage: int) -> None:
+    facts = run_distributed(ds_workers.prepare_case, 2, stage, init_process_group=False)[0]
+    assert facts["engines"] == [True] * 6
+    assert facts["eval_mode"] == [True] * 4
+    assert facts["unwrapped"] == "TinyNet"
+    assert facts["train_stage"] == stage
+    assert facts["eval_stage"] == (3 if stage == 3 else 0)
+    assert facts["bucket"] == 123456  # the user's overlay reached the engine
+    assert facts["gas"] == 2 and facts["train_batch"] == 8
+    assert facts["clipping"] == (0.0 if stage == 0 else 0.3)  # stage 0 fp32: we clip
+    assert facts["sched_is_engines"] is True
+    assert facts["stepped"] == [False, True]
+    assert (facts["critic_steps"], facts["actor_steps"]) == (1, 0)
+    assert facts["ref_out_shape"] == (2, 4)
+    assert facts["train_config"]["zero_optimization"]["reduce_bucket_size"] == 123456
+    assert facts["eval_config"]["zero_optimization"]["stage"] == (3 if stage == 3 else 0)
+    assert facts["a_opt_type"] == (
+        "AdamW" if stage == 0 else "DeepSpeedZeroOptimizer" + ("_Stage3" if stage == 3 else "")
+    )
+
+
+@pytest.mark.parametrize(
+    ("stage", "precision"), [(0, "fp32"), (2, "fp32"), (3, "fp32"), (0, "bf16")]
+)
+def test_nonfinite_gradients_skip_the_step_on_every_stage(stage: int, precision: str) -> None:
+    result = run_distributed(
+        ds_workers.nonfinite_case, 2, stage, precision, init_process_group=False
+    )[0]
+    assert result["skipped"] is True and result["applied"] is True
+    assert result["unchanged"] is True and result["changed"] is True
+    assert result["finite"] is True
+    lr_before, lr_after_skip, lr_after_step = result["lr"]
+    assert lr_after_skip == lr_before != lr_after_step  # the skip did not advance the LR
+    assert result["counters"] == (1, 1, 2)
+
+
+def test_twenty_consecutive_zero3_jobs_exit_cleanly(tmp_path: Path) -> None:
+    """Each launch fails (RankFailure) if any rank exits non-zero or is killed by a
+    signal, e.g. an abort during interpreter teardown."""
+    for job in range(20):
+        steps = run_distributed(
+            ds_workers.teardown_case, 2, 3, str(tmp_path), init_process_group=False
+        )
+        assert steps == [1, 1], f"job {job}"
