@@ -96,7 +96,7 @@ def strategy(session: nox.Session, backend: str) -> None:
 def gpu(session: nox.Session) -> None:
     """The CUDA checks (tests marked `gpu`): run on a machine with a GPU. They fail, not
     skip, without CUDA. Not part of the default sessions."""
-    sync(session, "lightrft-strategy", "--group", "test", bytecode=True)
+    sync(session, "lightrft-strategy", "--extra", "deepspeed", "--group", "test", bytecode=True)
     session.chdir(ROOT / "packages" / "lightrft-strategy")
     session.run("pytest", "-v", "-p", "no:cacheprovider", "-m", "gpu", *session.posargs)
 
@@ -186,6 +186,7 @@ def demo(session: nox.Session) -> None:
 @nox.session(python=DEFAULT_PYTHON)
 def bench(session: nox.Session) -> None:
     """Benchmarks (not tests): print our figures beside the raw approach's, with ratios."""
-    sync(session, "lightrft-strategy")
+    sync(session, "lightrft-strategy", "--extra", "deepspeed")
     session.run("python", "benchmarks/config_load.py")
     session.run("python", "benchmarks/fsdp2_overhead.py")  # re-launches under torchrun
+    session.run("python", "benchmarks/deepspeed_overhead.py")  # likewise

@@ -56,6 +56,7 @@ def prepare_case(stage: int) -> dict[str, Any]:
         "train_config": strategy.get_ds_train_config(),
         "eval_config": strategy.get_ds_eval_config(offload=True),
         "a_opt_type": type(a_opt).__name__,
+        "ckpt_engine": type(a.checkpoint_engine).__name__,
     }
     strategy.close()
     return facts

@@ -151,6 +151,7 @@ def test_prepare_shapes_configs_and_overlay(stage: int) -> None:
     assert facts["stepped"] == [False, True]
     assert (facts["critic_steps"], facts["actor_steps"]) == (1, 0)
     assert facts["ref_out_shape"] == (2, 4)
+    assert facts["ckpt_engine"] == "SafeTorchCheckpointEngine"
     assert facts["train_config"]["zero_optimization"]["reduce_bucket_size"] == 123456
     assert facts["eval_config"]["zero_optimization"]["stage"] == (3 if stage == 3 else 0)
     assert facts["a_opt_type"] == (
@@ -181,3 +182,36 @@ def test_twenty_consecutive_zero3_jobs_exit_cleanly(tmp_path: Path) -> None:
             ds_workers.teardown_case, 2, 3, str(tmp_path), init_process_group=False
         )
         assert steps == [1, 1], f"job {job}"
+
+
+class _Payload:
+    """Unpickling this runs code: a crafted checkpoint file's attack."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple[object, tuple[str]]:
+        return (Path.touch, (str(self.marker),))  # type: ignore[return-value]
+
+
+def test_deepspeed_engine_files_are_read_without_arbitrary_unpickling(tmp_path: Path) -> None:
+    from deepspeed.runtime.fp16.loss_scaler import LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+
+    from lightrft.strategy.checkpoint.layout import CheckpointError
+    from lightrft.strategy.deepspeed.safe_checkpoint import SafeTorchCheckpointEngine
+
+    engine = SafeTorchCheckpointEngine()
+    good = tmp_path / "good.pt"
+    torch.save(  # what DeepSpeed's own files hold besides tensors
+        {"w": torch.ones(2), "loss_scaler": LossScaler(1.0), "zero_stage": ZeroStageEnum(2)},
+        good,
+    )
+    loaded = engine.load(str(good))
+    assert torch.equal(loaded["w"], torch.ones(2)) and loaded["zero_stage"] == 2
+    marker = tmp_path / "pwned"
+    bad = tmp_path / "mp_rank_00_model_states.pt"
+    torch.save({"module": _Payload(marker)}, bad)
+    with pytest.raises(CheckpointError, match=r"mp_rank_00_model_states.pt holds objects"):
+        engine.load(str(bad))
+    assert not marker.exists()

@@ -50,3 +50,37 @@ def test_bf16_on_cuda_trains() -> None:
     cfg = workers.config(device="cuda", precision="bf16", train_batch_size=4)
     ranks = run_distributed(workers.train, 1, cfg, 6, init_process_group=False)
     assert ranks[0]["losses"][-1] < ranks[0]["losses"][0]
+
+
+@pytest.mark.deepspeed
+@pytest.mark.parametrize("stage", [2, 3])
+def test_deepspeed_on_cuda_matches_unsharded_training(stage: int) -> None:
+    world = min(2, _gpus())
+    cfg = workers.config(
+        backend="deepspeed",
+        zero_stage=stage,
+        device="cuda",
+        train_batch_size=4 * world,
+        micro_train_batch_size=2,
+    )
+    ranks = run_distributed(workers.train, world, cfg, 4, init_process_group=False)
+    ref = workers.reference(cfg, 4, [r["used"] for r in ranks])
+    torch.testing.assert_close(ranks[0]["losses"], ref["losses"], rtol=1e-4, atol=1e-5)
+    workers.assert_states_close(ranks[0]["state"], ref["state"], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "backend", [{"backend": "fsdp2"}, {"backend": "deepspeed", "zero_stage": 3}],
+    ids=["fsdp2", "zero3"],
+)  # fmt: skip
+def test_offload_model_frees_accelerator_memory_and_changes_nothing(
+    backend: dict[str, object],
+) -> None:
+    world = min(2, _gpus())
+    cfg = workers.config(device="cuda", train_batch_size=4 * world, **backend)
+    plain = run_distributed(workers.offload_model_case, world, cfg, False, init_process_group=False)
+    moved = run_distributed(workers.offload_model_case, world, cfg, True, init_process_group=False)
+    assert moved[0]["losses"] == plain[0]["losses"]
+    workers.assert_states_close(moved[0]["state"], plain[0]["state"], rtol=0, atol=0)
+    for before, after in moved[0]["memory"]:
+        assert after < before, (before, after)

@@ -473,3 +473,15 @@ def test_save_refuses_to_replace_a_foreign_directory_and_bad_max_num(
     with pytest.raises(ValueError, match="max_num=0 must be >= 1"):
         fsdp2.save_ckpt(model, tmp_path, max_num=0)
     assert not (tmp_path / "global_step0").exists()
+
+
+def test_offload_model_and_reload_model_are_no_ops_on_a_cpu_job() -> None:
+    from lightrft.strategy.fsdp2 import FSDP2Strategy
+
+    strategy = FSDP2Strategy(device="cpu")
+    model = torch.nn.Linear(3, 3)
+    before = [p.detach().clone() for p in model.parameters()]
+    strategy.offload_model(model)
+    assert all(p.device.type == "cpu" for p in model.parameters())
+    strategy.reload_model(model)
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))

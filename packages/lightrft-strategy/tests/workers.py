@@ -416,3 +416,33 @@ def rank0_fails_while_saving_case(save_dir: str) -> str:
         outcome = "no error"
     strategy.close()
     return outcome
+
+
+def offload_model_case(cfg: dict[str, Any], offload: bool) -> dict[str, Any]:
+    """Two steps with offload_model / reload_model between them (when ``offload``):
+    accelerator memory before and after, and the losses (equal to a run without)."""
+    strategy = get_strategy(cfg)
+    strategy.setup_distributed()
+    (actor, optim, sched), *_ = strategy.prepare_models_and_optimizers(
+        TinyNet(), None, None, None, None, 10
+    )
+    batches = iter(strategy.setup_dataloader(IndexedRegression()))
+    losses, memory = [], []
+    for _ in range(2):
+        for _ in range(strategy.accumulated_gradient):
+            _, x, y = next(batches)
+            x, y = x.to(strategy.device), y.to(strategy.device)
+            loss = nn.functional.mse_loss(actor(x), y)
+            strategy.backward(loss, actor, optim)
+            strategy.optimizer_step(optim, actor, sched)
+            losses.append(float(loss))
+        if offload:
+            before = torch.cuda.memory_allocated() if torch.cuda.is_available() else 0
+            strategy.offload_model(actor)
+            after = torch.cuda.memory_allocated() if torch.cuda.is_available() else 0
+            strategy.reload_model(actor)
+            memory.append((before, after))
+    state = strategy.full_state_dict(actor)
+    rank = strategy.get_rank()
+    strategy.close()
+    return {"losses": losses, "memory": memory, "state": state if rank == 0 else None}

@@ -417,6 +417,25 @@ class StrategyBase(ABC):
         if device.type == "cuda":
             torch.cuda.synchronize()
 
+    # -- model offload -------------------------------------------------------------------
+    def offload_model(self, model: nn.Module) -> None:
+        """Move ``model``'s weights and gradients to CPU memory, e.g. while an inference
+        engine on the same accelerator generates; :meth:`reload_model` moves them back.
+        Nothing to do on a CPU job."""
+        if self.device.type == "cuda":
+            self._move_model(model, torch.device("cpu"))
+            torch.cuda.empty_cache()
+
+    def reload_model(self, model: nn.Module) -> None:
+        if self.device.type == "cuda":
+            self._move_model(model, self.device)
+
+    def _move_model(self, model: nn.Module, device: torch.device) -> None:
+        """Backend hook; the default moves the module (FSDP2 re-registers its shards)."""
+        self.unwrap_model(model).to(device)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+
     # -- memory --------------------------------------------------------------------------
     def report_memory(self, prefix: str = "") -> dict[str, float]:
         """Memory in GiB (accelerator allocated/reserved/peak when on CUDA, the process's

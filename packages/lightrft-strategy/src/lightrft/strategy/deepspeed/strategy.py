@@ -349,6 +349,40 @@ class DeepspeedStrategy(StrategyBase):
         else:
             super().maybe_load_optimizer(optimizer)
 
+    def _move_model(self, model: nn.Module, device: torch.device) -> None:
+        """ZeRO training engines move their 16-bit parameters and gradient buffers with
+        ``offload_states`` / ``reload_states``; ZeRO-3 evaluation engines move their
+        parameter shards; other models move as modules."""
+        from deepspeed.runtime.zero.offload_config import (
+            OffloadDeviceEnum,
+            OffloadStateTypeEnum,
+        )
+
+        engine: Any = model if isinstance(model, DeepSpeedEngine) else None
+        stage = engine.zero_optimization_stage() if engine is not None else 0
+        if stage > 0 and self._optimizer_engine(engine):
+            if device.type == "cpu":
+                engine.offload_states(
+                    include=[OffloadStateTypeEnum.lp_params, OffloadStateTypeEnum.lp_grads],
+                    device=OffloadDeviceEnum.cpu,
+                )
+            else:
+                engine.reload_states()
+        elif stage == 3:
+            for param in self.unwrap_model(model).parameters():
+                shard = getattr(param, "ds_tensor", None)
+                if shard is not None:
+                    shard.data = shard.data.to(device)
+        else:
+            super()._move_model(model, device)
+
+    @staticmethod
+    def _optimizer_engine(engine: DeepSpeedEngine) -> bool:
+        from deepspeed.runtime.zero.parameter_offload import DeepSpeedZeRoOffload
+
+        optimizer = getattr(engine, "optimizer", None)
+        return optimizer is not None and not isinstance(optimizer, DeepSpeedZeRoOffload)
+
     # -- state -----------------------------------------------------------------------------
     def full_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
         """Full weights on rank 0, tensor by tensor (ZeRO-3 partitions gathered). A
