@@ -24,7 +24,7 @@ nox.options.default_venv_backend = "uv"
 nox.options.reuse_existing_virtualenvs = True
 # `nox` with no -s runs the whole test suite: README's test command.
 nox.options.sessions = [
-    "lint", "typecheck", "config", "strategy", "testing", "packages", "demo",
+    "lint", "typecheck", "config", "strategy", "engines", "testing", "packages", "demo",
 ]  # fmt: skip
 
 
@@ -99,6 +99,14 @@ def gpu(session: nox.Session) -> None:
     sync(session, "lightrft-strategy", "--extra", "deepspeed", "--group", "test", bytecode=True)
     session.chdir(ROOT / "packages" / "lightrft-strategy")
     session.run("pytest", "-v", "-p", "no:cacheprovider", "-m", "gpu", *session.posargs)
+
+
+@nox.session(python=DEFAULT_PYTHON)
+def engines(session: nox.Session) -> None:
+    """lightrft-engines' tests (the protocol; no engine installed)."""
+    sync(session, "lightrft-engines", "--group", "test")
+    session.chdir(ROOT / "packages" / "lightrft-engines")
+    session.run("pytest", "-q", "-p", "no:cacheprovider", *session.posargs)
 
 
 @nox.session(python=DEFAULT_PYTHON)

@@ -446,3 +446,57 @@ def offload_model_case(cfg: dict[str, Any], offload: bool) -> dict[str, Any]:
     rank = strategy.get_rank()
     strategy.close()
     return {"losses": losses, "memory": memory, "state": state if rank == 0 else None}
+
+
+def rollout_case(cfg: dict[str, Any], leader_only: bool) -> dict[str, Any]:
+    """Engine calls on a sharded model: uneven prompts per rank through
+    gather_and_generate, a weight sync (records vs the full state), sleep level 2
+    (stale weights refused) and the wake, sync, wake order."""
+    from lightrft.engines import EngineError, SamplingParams
+    from lightrft.testing import FakeEngine, tensor_digest
+
+    strategy = get_strategy(cfg)
+    strategy.setup_distributed()
+    with strategy.init_model_context():
+        model = TinyNet()
+    (actor, _, _), *_ = strategy.prepare_models_and_optimizers(model, None, None, None, None, 10)
+    names = [n for n, _ in TinyNet().named_parameters()]
+    engine = FakeEngine(expected_weights=names, generate_on_every_rank=not leader_only)
+    strategy.setup_inference_engine(engine)
+    rank = strategy.get_rank()
+    prompts = [[1, 2, 3], [4], [5, 6]] if rank == 0 else [[7, 8]]
+    sampling = SamplingParams(max_new_tokens=4, n=2, seed=3)
+    before = strategy.gather_and_generate(prompts, sampling)
+    expected_before = FakeEngine().generate(prompts, sampling)
+    counts = strategy.update_engine_weights(actor, bucket_bytes=4096)
+    full = strategy.full_state_dict(actor)
+    after = strategy.gather_and_generate(prompts, sampling)
+    slept = strategy.maybe_sleep_inference_engine()
+    errors = []
+    try:
+        engine.generate(prompts, sampling)
+    except EngineError as exc:
+        errors.append(str(exc))
+    strategy.wakeup_inference_engine(["weights"])
+    strategy.update_engine_weights(actor)
+    strategy.wakeup_inference_engine(["kv_cache"])
+    again = strategy.gather_and_generate(prompts, sampling)
+    strategy.close()
+    record = engine.syncs[0]
+    return {
+        "before": [o.output_token_ids for o in before],
+        "expected_before": [o.output_token_ids for o in expected_before],
+        "prompts_back": [o.prompt_token_ids for o in before],
+        "after": [o.output_token_ids for o in after],
+        "again": [o.output_token_ids for o in again],
+        "counts": counts,
+        "buckets": engine.bucket_sizes,
+        "generate_calls": engine.generate_calls,
+        "record": {n: (r.shape, r.sha256) for n, r in record.items()},
+        "full": {n: (tuple(t.shape), tensor_digest(t)) for n, t in full.items()}
+        if rank == 0
+        else None,
+        "slept": slept,
+        "errors": errors,
+        "syncs": len(engine.syncs),
+    }

@@ -32,7 +32,7 @@ from lightrft.strategy.registry import (
 def get_fake_strategy(args: Any = None, /, **overrides: Any) -> StrategyBase:
     """A single-process :class:`FakeStrategy` for tests (from lightrft-testing)."""
     try:
-        from lightrft.testing import get_fake_strategy as factory  # type: ignore[attr-defined]
+        from lightrft.testing import get_fake_strategy as factory
     except ImportError as exc:
         raise ImportError(
             "get_fake_strategy lives in the lightrft-testing distribution: "

@@ -29,6 +29,7 @@ from lightrft.config import StrategyConfig
 from lightrft.strategy import collectives, distributed
 from lightrft.strategy.data import ResumableDataLoader, build_dataloader
 from lightrft.strategy.optim import build_adamw, build_scheduler, parameter_groups
+from lightrft.strategy.rollout import InferenceEngineCalls
 from lightrft.strategy.stepping import StepState, StepStates, clip_and_check
 
 logger = logging.getLogger("lightrft.strategy")
@@ -37,7 +38,7 @@ _print_logger = logging.getLogger("lightrft.strategy.print")
 Triple = tuple[nn.Module, torch.optim.Optimizer, Any]
 
 
-class StrategyBase(ABC):
+class StrategyBase(InferenceEngineCalls, ABC):
     """A distributed training strategy. Build one with :func:`lightrft.strategy.get_strategy`.
 
     Args:
@@ -107,7 +108,7 @@ class StrategyBase(ABC):
             self.accumulated_gradient,
         )
 
-    def _after_setup(self) -> None:  # noqa: B027 - an optional hook
+    def _after_setup(self) -> None:
         """Backend hook run at the end of :meth:`setup_distributed`."""
 
     def close(self) -> None:
@@ -356,9 +357,7 @@ class StrategyBase(ABC):
         self._before_backward(model, is_last_micro_step=last)
         (loss / self.accumulated_gradient).backward(**kwargs)  # type: ignore[no-untyped-call]
 
-    def _before_backward(  # noqa: B027 - an optional hook
-        self, model: nn.Module, is_last_micro_step: bool
-    ) -> None:
+    def _before_backward(self, model: nn.Module, is_last_micro_step: bool) -> None:
         """Backend hook (FSDP2 skips gradient sync on all but the last micro-step)."""
 
     def optimizer_step(

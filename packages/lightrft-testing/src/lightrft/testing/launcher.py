@@ -14,6 +14,7 @@ when ``fn`` does, the parent only to unpickle tensors among the results.
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import logging
 import multiprocessing
 import os
@@ -127,6 +128,8 @@ def _rank_main(
     conn: Connection,
 ) -> None:
     """Child entry point: run the pickled call and send back ``("ok"|"error", value)``."""
+    # A rank terminated on timeout prints where every thread was, then exits.
+    faulthandler.register(signal.SIGTERM, all_threads=True, chain=True)
     sys.path[:] = parent_sys_path + [p for p in sys.path if p not in parent_sys_path]
     try:
         fn, args, kwargs = pickle.loads(payload)

@@ -414,6 +414,13 @@ class DeepspeedStrategy(StrategyBase):
                 out[name] = full.detach().cpu()
         return out
 
+    def iter_full_parameters(self, model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+        """ZeRO-3 parameters gathered one at a time (the 16-bit copy in bf16/fp16)."""
+        for name, param in self.unwrap_model(model).named_parameters():
+            gather = _is_partitioned(param)
+            with deepspeed.zero.GatheredParameters([param], enabled=gather):
+                yield name, param.data
+
     def moving_average(
         self, model: nn.Module, model_ema: nn.Module, beta: float = 0.992, device: str = "cpu"
     ) -> None:

@@ -162,6 +162,10 @@ class FSDP2Strategy(StrategyBase):
         )
         return {name: value for name, value in state.items() if isinstance(value, torch.Tensor)}
 
+    def iter_full_parameters(self, model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, param in model.named_parameters():
+            yield name, param.full_tensor() if isinstance(param, DTensor) else param.detach()
+
     def moving_average(
         self, model: nn.Module, model_ema: nn.Module, beta: float = 0.992, device: str = "cpu"
     ) -> None:

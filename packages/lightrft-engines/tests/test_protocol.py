@@ -1,0 +1,101 @@
+"""The engine protocol's neutral pieces: sampling validation, prompts, the sleep state
+machine every adapter enforces the same way."""
+
+from __future__ import annotations
+
+import pytest
+
+from lightrft.engines import (
+    EngineError,
+    SamplingError,
+    SamplingParams,
+    SleepState,
+    prompt_token_ids,
+)
+
+
+def test_sampling_defaults_and_native_passthrough() -> None:
+    params = SamplingParams(native={"repetition_penalty": 1.1}, stop_token_ids=[3, 4])  # type: ignore[arg-type]
+    assert (params.max_new_tokens, params.temperature, params.top_k, params.n) == (256, 1.0, -1, 1)
+    assert params.stop_token_ids == (3, 4)
+    assert params.native == {"repetition_penalty": 1.1}
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "accepted"),
+    [
+        ("max_new_tokens", 0, "an int >= 1"),
+        ("max_new_tokens", 2.5, "an int >= 1"),
+        ("temperature", -0.1, "a number >= 0"),
+        ("top_p", 0.0, r"a number in \(0, 1\]"),
+        ("top_p", 1.5, r"a number in \(0, 1\]"),
+        ("top_k", 0, r"-1 \(off\) or an int >= 1"),
+        ("n", 0, "an int >= 1"),
+        ("n", True, "an int >= 1"),
+        ("seed", -1, "None or an int >= 0"),
+        ("stop_token_ids", (1, -2), r"token ids \(ints >= 0\)"),
+    ],
+)
+def test_bad_sampling_values_name_field_value_and_range(
+    field: str, value: object, accepted: str
+) -> None:
+    with pytest.raises(
+        SamplingError, match=rf"SamplingParams {field}=.* is invalid; accepted: {accepted}"
+    ):
+        SamplingParams(**{field: value})  # type: ignore[arg-type]
+
+
+def test_prompts_as_lists_or_dicts() -> None:
+    assert prompt_token_ids([1, 2]) == [1, 2]
+    image = {"prompt_token_ids": [5, 6], "multi_modal_data": {"image": [object()]}}
+    assert prompt_token_ids(image) == [5, 6]
+    with pytest.raises(SamplingError, match="needs 'prompt_token_ids'"):
+        prompt_token_ids({"prompt": "text"})
+    with pytest.raises(SamplingError, match="non-empty list of token ids"):
+        prompt_token_ids([])
+    with pytest.raises(SamplingError, match="non-empty list of token ids"):
+        prompt_token_ids([1, -3])
+
+
+def test_level1_sleep_wakes_weights_then_kv_and_keeps_weights() -> None:
+    state = SleepState()
+    state.sleep(1)
+    with pytest.raises(EngineError, match="generate while weights, kv_cache asleep"):
+        state.check_generate()
+    with pytest.raises(EngineError, match="update_weights while the weights are asleep"):
+        state.check_update()
+    state.wake_up(["weights"])
+    state.check_update()  # allowed: sync before waking the KV cache
+    with pytest.raises(EngineError, match="generate while kv_cache asleep"):
+        state.check_generate()
+    state.wake_up(["kv_cache"])
+    state.check_generate()
+    assert state.level is None and not state.weights_stale
+
+
+def test_level2_sleep_makes_weights_stale_until_synced() -> None:
+    state = SleepState()
+    state.sleep(2)
+    state.wake_up()
+    with pytest.raises(EngineError, match="stale weights: a level-2 sleep discarded them"):
+        state.check_generate()
+    state.weights_synced()
+    state.check_generate()
+
+
+@pytest.mark.parametrize(
+    ("action", "expected"),
+    [
+        (lambda s: s.sleep(3), "sleep level 3 is invalid; accepted: 1 or 2"),
+        (lambda s: (s.sleep(1), s.sleep(1)), r"already asleep \(level 1\)"),
+        (lambda s: s.wake_up(["kv"]), r"wake_up tags \['kv'\] are invalid"),
+    ],
+)
+def test_invalid_transitions_raise(action: object, expected: str) -> None:
+    with pytest.raises(EngineError, match=expected):
+        action(SleepState())  # type: ignore[operator]
+
+
+def test_an_engine_without_sleep_refuses_it() -> None:
+    with pytest.raises(EngineError, match="does not support sleep"):
+        SleepState(supports_sleep=False).sleep(1)

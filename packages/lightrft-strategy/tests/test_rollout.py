@@ -1,0 +1,137 @@
+"""The inference-engine calls every strategy has: setup, weight sync in buckets,
+generation split over tensor-parallel groups, and sleep/wake, against lightrft-testing's
+FakeEngine (which records every tensor it receives and enforces the sleep levels)."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+from lightrft.engines import EngineError, SamplingParams
+from lightrft.strategy.fsdp2 import FSDP2Strategy
+from lightrft.testing import FakeEngine, tensor_digest
+from lightrft.testing.launcher import run_distributed
+
+from . import workers
+
+
+def _single(**fields: object) -> FSDP2Strategy:
+    return FSDP2Strategy(device="cpu", **fields)
+
+
+def test_weight_sync_sends_every_parameter_in_buckets_with_mapped_names() -> None:
+    strategy = _single()
+    model = workers.TinyNet()
+    engine = strategy.setup_inference_engine(FakeEngine())
+    counts = strategy.update_engine_weights(
+        model,
+        bucket_bytes=3000,
+        name_map=lambda name: None if name.startswith("head.") else f"model.{name}",
+    )
+    sent = engine.syncs[-1]
+    params = dict(model.named_parameters())
+    assert set(sent) == {f"model.{n}" for n in params if not n.startswith("head.")}
+    for name, record in sent.items():
+        param = params[name.removeprefix("model.")]
+        assert record.shape == tuple(param.shape) and record.dtype == torch.float32
+        assert record.sha256 == tensor_digest(param)
+    assert counts == {"tensors": len(sent), "buckets": len(engine.bucket_sizes)}
+    assert len(engine.bucket_sizes) > 1 and sum(engine.bucket_sizes) == len(sent)
+    strategy.update_engine_weights(model, dtype=torch.bfloat16)
+    assert {r.dtype for r in engine.syncs[-1].values()} == {torch.bfloat16}
+
+
+def test_generations_follow_the_synced_weights() -> None:
+    strategy = _single()
+    model = workers.TinyNet()
+    strategy.setup_inference_engine(FakeEngine())
+    sampling = SamplingParams(max_new_tokens=5, seed=1)
+    first = strategy.gather_and_generate([[1, 2, 3]], sampling)
+    strategy.update_engine_weights(model)
+    synced = strategy.gather_and_generate([[1, 2, 3]], sampling)
+    with torch.no_grad():
+        model.head.bias.add_(1.0)
+    strategy.update_engine_weights(model)
+    changed = strategy.gather_and_generate([[1, 2, 3]], sampling)
+    assert first[0].output_token_ids != synced[0].output_token_ids != changed[0].output_token_ids
+    assert strategy.gather_and_generate([[1, 2, 3]], sampling) == changed  # deterministic
+
+
+def test_a_mismatched_weight_name_is_an_error_naming_it() -> None:
+    strategy = _single()
+    model = workers.TinyNet()
+    engine = FakeEngine(expected_weights=[n for n, _ in model.named_parameters()])
+    strategy.setup_inference_engine(engine)
+    with pytest.raises(EngineError, match=r"no parameter 'model.layers.0.norm.weight'.*name_map"):
+        strategy.update_engine_weights(model, name_map=lambda n: f"model.{n}")
+    with pytest.raises(EngineError, match=r"weight sync incomplete: missing \['head.bias'"):
+        strategy.update_engine_weights(model, name_map=lambda n: None if "head" in n else n)
+    assert engine.syncs == []  # nothing half-applied
+
+
+def test_sleep_levels_follow_config_and_stale_weights_are_refused() -> None:
+    strategy = _single(enable_engine_sleep=True, engine_sleep_level=2)
+    model = workers.TinyNet()
+    engine = strategy.setup_inference_engine(FakeEngine())
+    assert strategy.maybe_sleep_inference_engine() is True
+    with pytest.raises(EngineError, match="asleep"):
+        strategy.gather_and_generate([[1]])
+    strategy.wakeup_inference_engine()
+    with pytest.raises(EngineError, match="stale weights"):
+        strategy.gather_and_generate([[1]])
+    strategy.update_engine_weights(model)
+    assert len(strategy.gather_and_generate([[1]])) == 1
+    # level 1 keeps the weights: wake and generate
+    strategy.config.engine_sleep_level = 1
+    strategy.maybe_sleep_inference_engine()
+    with pytest.raises(EngineError, match=r"update_weights while the weights are asleep"):
+        strategy.update_engine_weights(model)
+    strategy.wakeup_inference_engine()
+    assert engine.state.weights_stale is False
+    assert len(strategy.gather_and_generate([[1]])) == 1
+
+
+def test_sleep_calls_do_nothing_when_sleep_is_disabled() -> None:
+    strategy = _single()
+    engine = strategy.setup_inference_engine(FakeEngine())
+    assert strategy.maybe_sleep_inference_engine() is False
+    strategy.wakeup_inference_engine()
+    assert engine.state.asleep is False
+
+
+def test_engine_calls_need_an_engine() -> None:
+    strategy = _single()
+    with pytest.raises(RuntimeError, match=r"setup_inference_engine\(engine\) first"):
+        strategy.gather_and_generate([[1]])
+    with pytest.raises(TypeError, match=r"object is not an inference engine: it lacks generate"):
+        strategy.setup_inference_engine(object())
+
+
+BACKENDS = {"fsdp2": {"backend": "fsdp2"}}
+if importlib.util.find_spec("deepspeed") is not None:
+    BACKENDS["zero3"] = {"backend": "deepspeed", "zero_stage": 3}
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("leader_only", [False, True], ids=["every-rank", "leader-only"])
+@pytest.mark.parametrize("backend", list(BACKENDS))
+def test_engine_calls_on_two_ranks_with_a_sharded_model(backend: str, leader_only: bool) -> None:
+    cfg = workers.config(
+        engine_tp_size=2, enable_engine_sleep=True, engine_sleep_level=2, **BACKENDS[backend]
+    )
+    r0, r1 = run_distributed(workers.rollout_case, 2, cfg, leader_only, init_process_group=False)
+    for r in (r0, r1):
+        # each rank gets exactly its own prompts' outputs (n=2 each), in order
+        assert r["before"] == r["expected_before"]
+        assert r["after"] != r["before"]  # the synced weights changed the generations
+        assert r["again"] == r["after"]  # same weights after sleep + resync
+        assert r["slept"] is True and "asleep" in r["errors"][0]
+        assert r["syncs"] == 2 and r["counts"]["buckets"] > 1
+    assert [len(r0["before"]), len(r1["before"])] == [6, 2]
+    assert r0["prompts_back"] == [[1, 2, 3]] * 2 + [[4]] * 2 + [[5, 6]] * 2
+    # the engine received the full (gathered) tensors, the same on both ranks
+    assert r0["record"] == r1["record"] == {n: v for n, v in r0["full"].items()}
+    calls = [r0["generate_calls"], r1["generate_calls"]]
+    assert calls == ([3, 0] if leader_only else [3, 3])
