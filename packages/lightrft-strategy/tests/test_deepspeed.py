@@ -48,6 +48,21 @@ def test_zero_stages_and_fsdp2_match_unsharded_training(name: str) -> None:
         torch.testing.assert_close(losses, ranks[0]["losses"], rtol=1e-5, atol=1e-6, msg=other)
 
 
+@pytest.mark.parametrize("stage", [2, 3])
+def test_models_built_differently_per_rank_take_rank0_weights(stage: int) -> None:
+    """Each rank seeds differently before building (rank 0 as the reference does).
+    Stage 2 with meta_init: ranks other than 0 build on the meta device and get rank
+    0's weights when prepared; stage 3: zero.Init broadcasts rank 0's values."""
+    cfg = ds_workers.ds(stage)
+    ranks = run_distributed(
+        workers.train, 2, cfg, 2, meta_init=True, init_process_group=False, timeout=300
+    )
+    assert [r["built_on_meta"] for r in ranks] == ([False, True] if stage == 2 else [False] * 2)
+    ref = workers.reference(cfg, 2, [r["used"] for r in ranks])
+    torch.testing.assert_close(ranks[0]["losses"], ref["losses"], rtol=1e-5, atol=1e-6)
+    workers.assert_states_close(ranks[0]["state"], ref["state"], rtol=1e-5, atol=1e-6)
+
+
 def test_zero3_bf16_stays_close_to_fp32_training() -> None:
     """bf16 weights, fp32 master weights. The model is built outside
     init_model_context: under ZeRO-3 that context builds parameters in bf16, and

@@ -127,19 +127,33 @@ class DeepspeedStrategy(StrategyBase):
             f"scheduler)) returned, got {type(model).__name__}"
         )
 
-    def _materialize(self, model: nn.Module) -> None:
+    def _materialize(self, model: nn.Module, optimizer: Any = None) -> nn.Module:
         """After ``init_model_context(meta_init=True)`` below ZeRO-3: ranks other than 0
-        allocate the model, then every rank takes rank 0's parameters and buffers."""
+        allocate the model, then every rank takes rank 0's parameters and buffers. An
+        optimizer built over the meta parameters is re-pointed at the allocated ones.
+        Collective (every rank prepares the same models in the same order)."""
+        if isinstance(model, DeepSpeedEngine):
+            return cast(nn.Module, model)
         on_meta = any(p.is_meta for p in model.parameters())
         if self.world_size > 1:
             on_meta = bool(self.all_reduce(int(on_meta), "max"))
         if not on_meta:
-            return
+            return model
+        names = {id(p): name for name, p in model.named_parameters()}
         if not self.is_rank_0():
             model.to_empty(device=self.device)
         with torch.no_grad():
             for tensor in [*model.parameters(), *model.buffers()]:
                 dist.broadcast(tensor.data, src=0)
+        if optimizer is not None:
+            current = dict(model.named_parameters())
+            for group in optimizer.param_groups:
+                group["params"] = [current[names[id(p)]] if id(p) in names else p
+                                   for p in group["params"]]  # fmt: skip
+        return model
+
+    def _model_for_optimizer(self, model: nn.Module) -> nn.Module:
+        return self._materialize(model)
 
     def _cast_forward_inputs(self, model: nn.Module) -> None:
         """In bf16/fp16, cast floating-point inputs to the compute dtype as FSDP2's
@@ -163,7 +177,7 @@ class DeepspeedStrategy(StrategyBase):
     def _initialize(self, model: nn.Module, config: dict[str, Any], **kwargs: Any) -> Any:
         if not dist.is_initialized():
             raise RuntimeError("call strategy.setup_distributed() before preparing models")
-        self._materialize(model)
+        self._materialize(model, kwargs.get("optimizer"))
         self._cast_forward_inputs(model)
         engine, optimizer, _, scheduler = deepspeed.initialize(
             model=model, config=config, dist_init_required=False, **kwargs
@@ -186,8 +200,9 @@ class DeepspeedStrategy(StrategyBase):
         return engine, ds_optimizer, ds_scheduler
 
     def _prepare_train_model(self, model: nn.Module) -> nn.Module:
-        # DeepSpeed wraps a training model together with its optimizer, in prepare().
-        return model
+        # DeepSpeed wraps a training model together with its optimizer, in prepare();
+        # here it is only allocated when it was built on the meta device.
+        return self._materialize(model)
 
     def _prepare_eval(self, model: nn.Module, offload: bool = False) -> nn.Module:
         if isinstance(model, DeepSpeedEngine):
