@@ -44,6 +44,8 @@ def main(distribution: str, module_name: str) -> int:
         raise SystemExit(f"importing {module_name} imported {heavy}")
     if distribution == "lightrft-strategy":
         smoke_train_and_checkpoint()
+    if distribution == "lightrft-testing":
+        smoke_fake_strategy()
     print(f"{distribution} {installed}: installs alone and imports from {location.parent}")
     return 0
 
@@ -84,6 +86,24 @@ def smoke_train_and_checkpoint() -> None:
             raise SystemExit(f"the missing-extra error does not name the extra: {exc}") from exc
     else:
         raise SystemExit("backend='deepspeed' built a strategy without deepspeed installed")
+
+
+def smoke_fake_strategy() -> None:
+    """The spec's FakeStrategy example, as a downstream test would write it."""
+    import tempfile
+
+    import torch
+
+    from lightrft.strategy import get_fake_strategy
+
+    with tempfile.TemporaryDirectory() as tmp:
+        strategy = get_fake_strategy()
+        strategy.setup_distributed()
+        model = torch.nn.Linear(4, 1)
+        optimizer = strategy.create_optimizer(model)
+        strategy.backward(model(torch.ones(2, 4)).sum(), model, optimizer)
+        strategy.save_ckpt(model, Path(tmp) / "checkpoints")
+        assert (Path(tmp) / "checkpoints" / "latest").is_file()
 
 
 if __name__ == "__main__":

@@ -83,9 +83,19 @@ def test_a_backend_missing_its_library_names_the_extra() -> None:
         get_backend("needs_lib")
 
 
-def test_get_fake_strategy_names_lightrft_testing() -> None:
-    with pytest.raises(ImportError, match="lightrft-testing"):
-        strategy_pkg.get_fake_strategy()
+def test_get_fake_strategy_comes_from_lightrft_testing_or_names_it() -> None:
+    import subprocess
+    import sys
+
+    strategy = strategy_pkg.get_fake_strategy(seed=4)
+    assert type(strategy).__name__ == "FakeStrategy" and strategy.config.seed == 4
+    hidden = (
+        "import sys; sys.modules['lightrft.testing'] = None\n"
+        "import lightrft.strategy as s\n"
+        "try:\n    s.get_fake_strategy()\nexcept ImportError as exc:\n    print(exc)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", hidden], capture_output=True, text=True)
+    assert "get_fake_strategy lives in the lightrft-testing distribution" in out.stdout
 
 
 def test_unknown_backend_lists_the_valid_ones() -> None:

@@ -1,0 +1,141 @@
+"""`FakeStrategy`: the whole `StrategyBase` interface in one process, for tests.
+
+It is the real base class with the thinnest backend: models are not wrapped or
+sharded, so everything the base class defines (accumulation, clipping, non-finite
+skipping, schedules, collectives, the resumable loader, the checkpoint layout,
+rotation, resume, HF export, engine calls) behaves exactly as on FSDP2 or DeepSpeed at
+world size 1.
+
+Where it differs from the real backends:
+
+* it runs on the CPU unless ``device="cuda"`` is set (``auto`` means CPU here);
+* it never creates a process group and ignores torchrun/SLURM variables: the world is
+  always one rank (collectives return what a world-size-1 run returns);
+* ``init_model_context(meta_init=True)`` builds normally (there is no other rank to
+  copy weights from);
+* its checkpoints hold the model and optimizer ``state_dict`` as two files
+  (``model.pt``, ``optim.pt``, read with ``weights_only=True``) instead of DCP shards or
+  DeepSpeed engine files, so they load only into a FakeStrategy.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightrft.config import StrategyConfig
+from lightrft.strategy import StrategyBase
+from lightrft.strategy import distributed as _distributed
+from lightrft.strategy.base import Triple
+from lightrft.strategy.checkpoint.layout import CheckpointError
+from lightrft.strategy.checkpoint.safe_io import load_plain, save_plain
+
+
+class FakeStrategy(StrategyBase):
+    """A single-process strategy with no process group and no GPU needed.
+
+    ``FakeStrategy(seed, max_norm, micro_train_batch_size, train_batch_size, args)`` as
+    upstream; the four numbers, when given, win over ``args`` (a namespace, mapping or
+    :class:`StrategyConfig`), and ``overrides`` win over everything.
+    """
+
+    backend_name = "fake"
+
+    def __init__(
+        self,
+        seed: int | None = None,
+        max_norm: float | None = None,
+        micro_train_batch_size: int | None = None,
+        train_batch_size: int | None = None,
+        args: Any = None,
+        **overrides: Any,
+    ) -> None:
+        if isinstance(seed, StrategyConfig):  # get_strategy passes a config first
+            args, seed = seed, None
+        given = {
+            "seed": seed,
+            "max_norm": max_norm,
+            "micro_train_batch_size": micro_train_batch_size,
+            "train_batch_size": train_batch_size,
+        }
+        fields = {k: v for k, v in given.items() if v is not None}
+        config = StrategyConfig.from_args(args, **{**fields, **overrides, "backend": "fake"})
+        super().__init__(config)
+        self.args = args if args is not None else self.config
+
+    # -- setup -----------------------------------------------------------------------------
+    def setup_distributed(self, timeout: datetime.timedelta | None = None) -> None:
+        """A world of one, without a process group; picks the device, seeds."""
+        del timeout
+        self.launch = _distributed.LaunchEnv(0, 0, 1, 1, "127.0.0.1", 0, "single")
+        # CPU unless CUDA is asked for by name ("auto" stays on the CPU: no GPU needed)
+        self.device = _distributed.resolve_device("cuda" if self.config.device == "cuda" else "cpu")
+        self.config.validate_world_size(1)
+        self.accumulated_gradient = self.config.gradient_accumulation_steps(1)
+        self.set_seed(self.config.seed)
+
+    # -- wrapping: none ------------------------------------------------------------------
+    def _prepare_train(self, model: nn.Module, optimizer: Any, scheduler: Any) -> Triple:
+        return model.to(self.device), optimizer, scheduler
+
+    def _prepare_train_model(self, model: nn.Module) -> nn.Module:
+        return model.to(self.device)
+
+    def _prepare_eval(self, model: nn.Module) -> nn.Module:
+        model.to(self.device).eval()
+        return model
+
+    @contextlib.contextmanager
+    def init_model_context(self, meta_init: bool = False) -> Iterator[None]:
+        """Builds normally (``meta_init`` has no other rank to take weights from)."""
+        del meta_init
+        yield
+
+    # -- state -----------------------------------------------------------------------------
+    def full_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        module = self.unwrap_model(model)
+        return {k: v.detach().to("cpu").clone() for k, v in module.state_dict().items()}
+
+    def moving_average(
+        self, model: nn.Module, model_ema: nn.Module, beta: float = 0.992, device: str = "cpu"
+    ) -> None:
+        ema_params = dict(self.unwrap_model(model_ema).named_parameters())
+        with torch.no_grad():
+            for name, param in self.unwrap_model(model).named_parameters():
+                if name not in ema_params:
+                    raise ValueError(f"moving_average: the EMA model has no parameter {name!r}")
+                ema = ema_params[name]
+                ema.data.mul_(beta).add_(param.data.to(ema.device, ema.dtype), alpha=1 - beta)
+
+    def save_backend_state(self, model: nn.Module, optimizer: Any, directory: Path) -> None:
+        save_plain(self.full_state_dict(model), directory / "model.pt", "model state")
+        if optimizer is not None:
+            save_plain(optimizer.state_dict(), directory / "optim.pt", "optimizer state")
+
+    def load_backend_state(
+        self, model: nn.Module, optimizer: Any, directory: Path, strict: bool
+    ) -> None:
+        module = self.unwrap_model(model)
+        state = load_plain(directory / "model.pt")
+        try:
+            module.load_state_dict(state, strict=strict)
+        except RuntimeError as exc:
+            first = " ".join(str(exc).split())[:400]
+            raise CheckpointError(
+                f"{directory} does not fit this model ({type(module).__name__}): {first}. "
+                "Load it into the model it was saved from, or pass "
+                "load_module_strict=False to load only the matching weights"
+            ) from exc
+        if optimizer is not None and (directory / "optim.pt").is_file():
+            optimizer.load_state_dict(load_plain(directory / "optim.pt"))
+
+
+def get_fake_strategy(args: Any = None, /, **overrides: Any) -> FakeStrategy:
+    """A :class:`FakeStrategy` from ``args`` (namespace, mapping, config or None)."""
+    return FakeStrategy(args=args, **overrides)
