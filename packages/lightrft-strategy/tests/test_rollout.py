@@ -4,8 +4,6 @@ FakeEngine (which records every tensor it receives and enforces the sleep levels
 
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
 import torch
 
@@ -109,17 +107,22 @@ def test_engine_calls_need_an_engine() -> None:
         strategy.setup_inference_engine(object())
 
 
-BACKENDS = {"fsdp2": {"backend": "fsdp2"}}
-if importlib.util.find_spec("deepspeed") is not None:
-    BACKENDS["zero3"] = {"backend": "deepspeed", "zero_stage": 3}
+BACKENDS = [
+    pytest.param({"backend": "fsdp2"}, id="fsdp2"),
+    pytest.param(
+        {"backend": "deepspeed", "zero_stage": 3}, id="zero3", marks=pytest.mark.deepspeed
+    ),
+]
 
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("leader_only", [False, True], ids=["every-rank", "leader-only"])
-@pytest.mark.parametrize("backend", list(BACKENDS))
-def test_engine_calls_on_two_ranks_with_a_sharded_model(backend: str, leader_only: bool) -> None:
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_engine_calls_on_two_ranks_with_a_sharded_model(
+    backend: dict[str, object], leader_only: bool
+) -> None:
     cfg = workers.config(
-        engine_tp_size=2, enable_engine_sleep=True, engine_sleep_level=2, **BACKENDS[backend]
+        engine_tp_size=2, enable_engine_sleep=True, engine_sleep_level=2, **backend
     )
     r0, r1 = run_distributed(workers.rollout_case, 2, cfg, leader_only, init_process_group=False)
     for r in (r0, r1):

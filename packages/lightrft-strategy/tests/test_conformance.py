@@ -1,0 +1,34 @@
+"""lightrft-testing's conformance suite against this package's backends, 2 gloo ranks."""
+
+from __future__ import annotations
+
+import pytest
+
+from lightrft.testing.conformance import StrategyConformance
+
+
+@pytest.mark.distributed
+class TestFSDP2Conformance(StrategyConformance):
+    backend = {"backend": "fsdp2"}  # noqa: RUF012 - the suite's class attribute
+    world_size = 2
+
+
+@pytest.mark.deepspeed
+@pytest.mark.distributed
+class TestZero1Conformance(StrategyConformance):
+    backend = {"backend": "deepspeed", "zero_stage": 1}  # noqa: RUF012
+    world_size = 2
+
+
+@pytest.mark.deepspeed
+@pytest.mark.distributed
+class TestZero2Conformance(StrategyConformance):
+    backend = {"backend": "deepspeed", "zero_stage": 2}  # noqa: RUF012
+    world_size = 2
+
+
+@pytest.mark.deepspeed
+@pytest.mark.distributed
+class TestZero3Conformance(StrategyConformance):
+    backend = {"backend": "deepspeed", "zero_stage": 3}  # noqa: RUF012
+    world_size = 2

@@ -1,0 +1,270 @@
+"""The conformance suite: what every strategy backend must do, checked by behaviour.
+
+A backend runs it by subclassing :class:`StrategyConformance` in a test module and
+naming its configuration::
+
+    from lightrft.testing.conformance import StrategyConformance
+
+    class TestMyBackend(StrategyConformance):
+        backend = {"backend": "mine"}   # fields for get_strategy (a registered name)
+        world_size = 2                   # ranks per check (real gloo processes)
+
+Each check starts ``world_size`` real processes (1: still a separate process), builds
+the strategy with :func:`lightrft.strategy.get_strategy` and compares what it did with
+a plain single-process torch computation. Tolerances: fp32, rtol 1e-5 / atol 1e-6
+against the reference; resume bit for bit. A failing check is a bug in the backend.
+A new check is a minor version bump of lightrft-testing: pin it exactly.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, ClassVar
+
+import pytest
+import torch
+from torch import nn
+
+DIM = 8
+
+
+class _Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Sequential(nn.LayerNorm(DIM), nn.Linear(DIM, DIM))])
+        self.head = nn.Linear(DIM, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = x + torch.tanh(layer(x))
+        out: torch.Tensor = self.head(x)
+        return out
+
+
+def _dataset(size: int = 64) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(99)
+    x = torch.randn(size, DIM, generator=gen)
+    y = x[:, :2] * 2.0 + 0.1 * torch.randn(size, 2, generator=gen)
+    return [(i, x[i], y[i]) for i in range(size)]
+
+
+def _config(backend: dict[str, Any], world_size: int, **changes: Any) -> dict[str, Any]:
+    cfg: dict[str, Any] = {
+        "device": "cpu", "precision": "fp32", "seed": 0, "micro_train_batch_size": 2,
+        "train_batch_size": 4 * world_size, "max_norm": 0.05, "actor_learning_rate": 1e-2,
+        "lr_warmup_ratio": 0.5, "lr_scheduler": "cosine_with_min_lr", "l2": 0.0,
+    }  # fmt: skip
+    cfg.update(backend)
+    cfg.update(changes)
+    return cfg
+
+
+def _train(
+    cfg: dict[str, Any], steps: int, save_dir: str | None = None, load_dir: str | None = None
+) -> dict[str, Any]:
+    """Rank function: train ``steps`` optimizer steps (resume/save optional)."""
+    from lightrft.strategy import get_strategy
+
+    strategy = get_strategy(cfg)
+    strategy.setup_distributed()
+    torch.manual_seed(cfg["seed"])
+    (actor, optim, sched), *_ = strategy.prepare_models_and_optimizers(
+        _Net(), None, None, None, None, max_steps=8
+    )
+    loader = strategy.setup_dataloader(_dataset())
+    client: dict[str, Any] = {}
+    if load_dir is not None:
+        _, client = strategy.load_ckpt(actor, load_dir)
+    batches = iter(loader)
+    losses, used, stepped = [], [], []
+    for _ in range(steps):
+        micro = []
+        for _ in range(strategy.accumulated_gradient):
+            index, x, y = next(batches)
+            loss = nn.functional.mse_loss(actor(x.to(strategy.device)), y.to(strategy.device))
+            strategy.backward(loss, actor, optim)
+            stepped.append(strategy.optimizer_step(optim, actor, sched))
+            micro.append(loss.detach().cpu())
+            used.append(index.tolist())
+        losses.append(float(strategy.all_reduce(torch.stack(micro).mean())))
+    norms = strategy.step_state(actor).last_grad_norm
+    if save_dir is not None:
+        strategy.save_ckpt(actor, save_dir, client_state={"steps": steps})
+    state = strategy.full_state_dict(actor)
+    rank = strategy.get_rank()
+    strategy.close()
+    return {
+        "losses": losses, "used": used, "stepped": stepped, "norm": norms,
+        "state": state if rank == 0 else None, "client": client,
+        "lr": sched.get_last_lr()[0],
+    }  # fmt: skip
+
+
+def _reference(cfg: dict[str, Any], steps: int, used: list[list[list[int]]]) -> dict[str, Any]:
+    """The same steps in one process with plain torch (AdamW, clip, the schedule)."""
+    from lightrft.config import StrategyConfig
+    from lightrft.strategy.optim import build_scheduler
+
+    torch.manual_seed(cfg["seed"])
+    model = _Net()
+    data = _dataset()
+    optim = torch.optim.AdamW(model.parameters(), lr=cfg["actor_learning_rate"],
+                              betas=(0.9, 0.95), weight_decay=0.0)  # fmt: skip
+    sched = build_scheduler(optim, StrategyConfig.from_args(cfg), 8)
+    world, accum = len(used), len(used[0]) // steps
+    losses = []
+    for step in range(steps):
+        total = 0.0
+        for k in range(accum):
+            for rank in range(world):
+                idx = used[rank][step * accum + k]
+                x = torch.stack([data[i][1] for i in idx])
+                y = torch.stack([data[i][2] for i in idx])
+                loss = nn.functional.mse_loss(model(x), y)
+                (loss / (accum * world)).backward()  # type: ignore[no-untyped-call]
+                total += loss.item() / (accum * world)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg["max_norm"])
+        optim.step()
+        sched.step()
+        optim.zero_grad()
+        losses.append(total)
+    return {"losses": losses, "state": {k: v.detach() for k, v in model.state_dict().items()}}
+
+
+def _collectives(cfg: dict[str, Any]) -> dict[str, Any]:
+    from lightrft.strategy import get_strategy
+
+    strategy = get_strategy(cfg)
+    strategy.setup_distributed()
+    rank = strategy.get_rank()
+    out = {
+        "mean": strategy.all_reduce(float(rank)),
+        "sum_int": strategy.all_reduce(rank + 1, "sum"),
+        "max_tensor": strategy.all_reduce(torch.tensor([rank, -rank]), "max"),
+        "dict": strategy.all_reduce({"a": 1.0, "b": torch.ones(2)}),
+        "gather": strategy.all_gather(torch.full((1, 2), float(rank))),
+        "gather_num": strategy.all_gather(rank),
+        "rank": rank,
+        "world": strategy.world_size,
+    }
+    strategy.close()
+    return out
+
+
+def _rotation(cfg: dict[str, Any], save_dir: str) -> list[str]:
+    from lightrft.strategy import get_strategy
+
+    strategy = get_strategy(cfg)
+    strategy.setup_distributed()
+    (actor, _, _), *_ = strategy.prepare_models_and_optimizers(_Net(), None, None, None, None, 8)
+    for tag in ("a", "b", "c"):
+        strategy.save_ckpt(actor, save_dir, tag=tag, max_num=2)
+    errors = []
+    from lightrft.strategy.checkpoint import CheckpointNotFoundError
+
+    try:
+        strategy.load_ckpt(actor, Path(save_dir) / "nothing-here")
+    except CheckpointNotFoundError as exc:
+        errors.append(str(exc))
+    strategy.close()
+    return errors
+
+
+def _engine(cfg: dict[str, Any]) -> dict[str, Any]:
+    from lightrft.engines import SamplingParams
+    from lightrft.strategy import get_strategy
+    from lightrft.testing.fake_engine import FakeEngine, tensor_digest
+
+    strategy = get_strategy(cfg)
+    strategy.setup_distributed()
+    (actor, _, _), *_ = strategy.prepare_models_and_optimizers(_Net(), None, None, None, None, 8)
+    engine = FakeEngine(expected_weights=[n for n, _ in _Net().named_parameters()])
+    strategy.setup_inference_engine(engine)
+    strategy.update_engine_weights(actor, bucket_bytes=256)
+    full = strategy.full_state_dict(actor)
+    rank = strategy.get_rank()
+    prompts = [[rank + 1] * (rank + 1) for _ in range(rank + 1)]  # uneven counts
+    outputs = strategy.gather_and_generate(prompts, SamplingParams(max_new_tokens=2))
+    strategy.close()
+    return {
+        "record": {n: r.sha256 for n, r in engine.syncs[-1].items()},
+        "full": {n: tensor_digest(t) for n, t in full.items()} if rank == 0 else None,
+        "prompts": prompts,
+        "returned": [o.prompt_token_ids for o in outputs],
+    }
+
+
+class StrategyConformance:
+    """Subclass with ``backend`` (get_strategy fields) and ``world_size``."""
+
+    backend: ClassVar[dict[str, Any]] = {}
+    world_size: ClassVar[int] = 1
+    timeout: ClassVar[float] = 300.0
+
+    def _run(self, fn: Any, *args: Any, world_size: int | None = None, **kw: Any) -> list[Any]:
+        from lightrft.testing.launcher import run_distributed
+
+        return run_distributed(
+            fn, world_size or self.world_size, *args,
+            init_process_group=False, timeout=self.timeout, **kw,
+        )  # fmt: skip
+
+    def config(self, **changes: Any) -> dict[str, Any]:
+        if not self.backend:
+            pytest.fail(f"{type(self).__name__} must set `backend` (get_strategy fields)")
+        return _config(self.backend, self.world_size, **changes)
+
+    def test_training_matches_the_unsharded_reference(self) -> None:
+        """Accumulation (2 micro-batches), clipping (active), warmup + cosine schedule."""
+        cfg = self.config()
+        ranks = self._run(_train, cfg, 4)
+        first = ranks[0]
+        assert first["stepped"] == [False, True] * 4, "optimizer_step's boundary"
+        assert all(r["losses"] == first["losses"] for r in ranks), "ranks disagree on loss"
+        seen = [{i for batch in r["used"] for i in batch} for r in ranks]
+        assert sum(len(s) for s in seen) == len(set().union(*seen)), "ranks shared samples"
+        ref = _reference(cfg, 4, [r["used"] for r in ranks])
+        torch.testing.assert_close(first["losses"], ref["losses"], rtol=1e-5, atol=1e-6)
+        state = {k: v.float() for k, v in first["state"].items()}
+        for name, value in ref["state"].items():
+            torch.testing.assert_close(state[name], value, rtol=1e-5, atol=1e-6, msg=name)
+
+    def test_resume_is_exact(self, tmp_path: Path) -> None:
+        cfg = self.config()
+        full = self._run(_train, cfg, 4)
+        self._run(_train, cfg, 2, save_dir=str(tmp_path))
+        second = self._run(_train, cfg, 2, load_dir=str(tmp_path))
+        assert second[0]["client"] == {"steps": 2}
+        assert second[0]["losses"] == full[0]["losses"][2:]
+        assert second[0]["lr"] == full[0]["lr"]
+        for name, value in full[0]["state"].items():
+            assert torch.equal(second[0]["state"][name], value), name
+
+    def test_collectives_keep_types(self) -> None:
+        results = self._run(_collectives, self.config())
+        world = self.world_size
+        for r in results:
+            assert r["world"] == world
+            assert r["mean"] == sum(range(world)) / world and isinstance(r["mean"], float)
+            assert r["sum_int"] == sum(range(1, world + 1)) and isinstance(r["sum_int"], int)
+            assert r["max_tensor"].tolist() == [world - 1, 0]
+            assert r["dict"]["a"] == 1.0 and r["dict"]["b"].tolist() == [1.0, 1.0]
+            assert r["gather"].shape == (world, 2) and r["gather_num"] == list(range(world))
+
+    def test_checkpoint_layout_rotation_and_missing_checkpoint(self, tmp_path: Path) -> None:
+        per_rank = self._run(_rotation, self.config(), str(tmp_path))
+        errors = [message for messages in per_rank for message in messages]
+        kept = sorted(p.name for p in tmp_path.iterdir() if p.is_dir())
+        assert kept == ["b", "c"], kept
+        assert (tmp_path / "latest").read_text().strip() == "c"
+        metadata = json.loads((tmp_path / "c" / "lightrft_checkpoint.json").read_text())
+        assert metadata["world_size"] == self.world_size
+        assert len(errors) == self.world_size, "load_ckpt of a missing directory did not raise"
+        assert all("nothing-here" in e for e in errors), errors
+
+    def test_engine_weight_sync_and_generation(self) -> None:
+        results = self._run(_engine, self.config())
+        assert results[0]["record"] == results[0]["full"], "the engine got other weights"
+        for r in results:
+            assert r["returned"] == r["prompts"], "a rank got outputs that are not its own"
