@@ -195,6 +195,37 @@ def _engine(cfg: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def _loaders(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Two loaders from the same seed, and one resumed after 3 batches."""
+    from lightrft.strategy import get_strategy
+
+    strategy = get_strategy(cfg)
+    strategy.setup_distributed()
+    data = _dataset(24)
+    order = [[int(i) for i in b[0]] for b in strategy.setup_dataloader(data, batch_size=2)]
+    again = [[int(i) for i in b[0]] for b in strategy.setup_dataloader(data, batch_size=2)]
+    consumed = 3 * 2 * strategy.world_size  # global samples of 3 batches
+    tail = strategy.setup_dataloader(data, batch_size=2, consumed_samples=consumed)
+    resumed = [[int(i) for i in b[0]] for b in tail]
+    strategy.close()
+    return {"order": order, "again": again, "resumed": resumed}
+
+
+def _load_error(cfg: dict[str, Any], load_dir: str) -> str:
+    from lightrft.strategy import get_strategy
+
+    strategy = get_strategy(cfg)
+    strategy.setup_distributed()
+    (actor, _, _), *_ = strategy.prepare_models_and_optimizers(_Net(), None, None, None, None, 8)
+    try:
+        strategy.load_ckpt(actor, load_dir)
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+    finally:
+        strategy.close()
+    return "loaded"
+
+
 class StrategyConformance:
     """Subclass with ``backend`` (get_strategy fields) and ``world_size``."""
 
@@ -262,6 +293,34 @@ class StrategyConformance:
         assert metadata["world_size"] == self.world_size
         assert len(errors) == self.world_size, "load_ckpt of a missing directory did not raise"
         assert all("nothing-here" in e for e in errors), errors
+
+    def test_dataloader_is_deterministic_disjoint_and_resumable(self) -> None:
+        results = self._run(_loaders, self.config())
+        for r in results:
+            assert r["order"] == r["again"], "the same seed gave another order"
+            assert r["resumed"] == r["order"][3:], "consumed_samples did not resume"
+        seen = [{i for batch in r["order"] for i in batch} for r in results]
+        assert sum(len(s) for s in seen) == len(set().union(*seen)), "ranks shared samples"
+
+    def test_truncated_or_foreign_checkpoints_are_refused(self, tmp_path: Path) -> None:
+        cfg = self.config()
+        self._run(_train, cfg, 1, save_dir=str(tmp_path))
+        tag = tmp_path / "global_step1"
+        metadata_file = tag / "lightrft_checkpoint.json"
+        metadata = json.loads(metadata_file.read_text())
+        # another backend's checkpoint: named, nothing loaded
+        metadata_file.write_text(json.dumps({**metadata, "backend": "someone-else"}))
+        for error in self._run(_load_error, cfg, str(tmp_path)):
+            assert error.startswith("ForeignCheckpointError"), error
+            assert "someone-else" in error, error
+        metadata_file.write_text(json.dumps(metadata))
+        # a file cut short: named, nothing loaded
+        victim = max((p for p in tag.rglob("*") if p.is_file() and p != metadata_file),
+                     key=lambda p: p.stat().st_size)  # fmt: skip
+        victim.write_bytes(victim.read_bytes()[: victim.stat().st_size // 2])
+        for error in self._run(_load_error, cfg, str(tmp_path)):
+            assert error.startswith("IncompleteCheckpointError"), error
+            assert victim.name in error, error
 
     def test_engine_weight_sync_and_generation(self) -> None:
         results = self._run(_engine, self.config())
