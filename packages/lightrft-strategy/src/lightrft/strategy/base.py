@@ -30,7 +30,7 @@ from lightrft.strategy import collectives, distributed
 from lightrft.strategy.data import ResumableDataLoader, build_dataloader
 from lightrft.strategy.optim import build_adamw, build_scheduler, parameter_groups
 from lightrft.strategy.rollout import InferenceEngineCalls
-from lightrft.strategy.stepping import StepState, StepStates, clip_and_check
+from lightrft.strategy.stepping import StepState, StepStates, clip_and_check, record_skip
 
 logger = logging.getLogger("lightrft.strategy")
 _print_logger = logging.getLogger("lightrft.strategy.print")
@@ -381,13 +381,7 @@ class StrategyBase(InferenceEngineCalls, ABC):
         norm = clip_and_check(params, self.config.max_norm)
         state.last_grad_norm = norm
         if not math.isfinite(norm):
-            state.skipped_steps += 1
-            logger.warning(
-                "%s: gradient norm is %s at step %d; skipping this optimizer step",
-                name,
-                norm,
-                state.global_steps + 1,
-            )
+            record_skip(state, norm, name)
             optimizer.zero_grad(set_to_none=True)
             return False
         optimizer.step()

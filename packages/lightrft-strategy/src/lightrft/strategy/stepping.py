@@ -46,6 +46,17 @@ class StepStates:
         return state
 
 
+def record_skip(state: StepState, norm: float, name: str) -> None:
+    """Count and report an optimizer step skipped for a non-finite gradient norm."""
+    state.skipped_steps += 1
+    logger.warning(
+        "%s: gradient norm is %s at step %d; skipping this optimizer step",
+        name,
+        norm,
+        state.global_steps + 1,
+    )
+
+
 def clip_and_check(parameters: list[nn.Parameter], max_norm: float) -> float:
     """Return the 2-norm of all gradients together (for sharded DTensor gradients, the
     global norm over every rank's shard); clip to ``max_norm`` when it is finite and

@@ -26,7 +26,7 @@ from lightrft.strategy.base import StrategyBase, Triple
 from lightrft.strategy.checkpoint.layout import METADATA_FILE, CheckpointError
 from lightrft.strategy.deepspeed import ds_config, safe_checkpoint
 from lightrft.strategy.optim import build_adamw
-from lightrft.strategy.stepping import clip_and_check
+from lightrft.strategy.stepping import clip_and_check, record_skip
 
 logger = logging.getLogger(__name__)
 
@@ -320,13 +320,7 @@ class DeepspeedStrategy(StrategyBase):
             norm = float(reported) if reported is not None else float("nan")
         state.last_grad_norm = norm
         if not engine.was_step_applied():
-            state.skipped_steps += 1
-            logger.warning(
-                "%s: gradient norm is %s at step %d; skipping this optimizer step",
-                name,
-                norm,
-                state.global_steps + 1,
-            )
+            record_skip(state, norm, name)
             return False
         if engine.lr_scheduler is None and scheduler is not None:
             scheduler.step()
