@@ -602,9 +602,8 @@ def main() -> None:
     strategies: list[Any] = []
     for stage in args.stage_list:
         strategy = get_strategy(strategy_config(args, world, backend="deepspeed", zero_stage=stage))
-        # The first creates the gloo group (and DeepSpeed's communication layer wraps it);
-        # the others join it. The raw engines use it too.
-        strategy.setup_distributed()
+        # Built ready: the first creates the gloo group (and DeepSpeed's communication
+        # layer wraps it); the others join it. The raw engines use it too.
         assert strategy.accumulated_gradient == args.accum
         strategies.append(strategy)
     rank = dist.get_rank()
@@ -644,7 +643,6 @@ def main() -> None:
             reports.append(report)
         if not args.no_fsdp2:
             fsdp2_strategy = get_strategy(strategy_config(args, world, backend="fsdp2"))
-            fsdp2_strategy.setup_distributed()  # joins the group; builds its device mesh
             strategies.append(fsdp2_strategy)
             fsdp2 = StrategySide(args, fsdp2_strategy, "FSDP2Strategy", rank)
             reports.append(compare_backends(args, fsdp2, ours, rank))

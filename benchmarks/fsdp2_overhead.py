@@ -393,8 +393,7 @@ def main() -> None:
             "lr_scheduler": "constant_with_warmup",
         }
     )
-    assert isinstance(strategy, FSDP2Strategy)
-    strategy.setup_distributed()  # creates the gloo group; the raw side uses it too
+    assert isinstance(strategy, FSDP2Strategy)  # built ready: its gloo group is the raw side's too
     rank = dist.get_rank()
     assert strategy.accumulated_gradient == args.accum
 

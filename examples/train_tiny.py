@@ -64,7 +64,6 @@ def train(
     config: StrategyConfig, steps: int, out: Path, vocab: int = 64, length: int = 16
 ) -> float:
     strategy = get_strategy(config)
-    strategy.setup_distributed()
     config.log_summary(rank=strategy.get_rank())
     (model, optim, sched), *_ = strategy.prepare_models_and_optimizers(
         TinyCausalLM(vocab), None, None, None, None, max_steps=steps

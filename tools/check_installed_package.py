@@ -66,7 +66,7 @@ def smoke_train_and_checkpoint() -> None:
         from lightrft.config import StrategyConfig
 
         strategy = get_strategy(StrategyConfig.from_file(config))
-        strategy.setup_distributed()
+        assert strategy.is_ready and strategy.accumulated_gradient == 1  # ready when built
         model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
         (actor, optim, sched), *_ = strategy.prepare_models_and_optimizers(
             model, None, None, None, None, max_steps=2

@@ -23,7 +23,6 @@ def prepare_case(stage: int) -> dict[str, Any]:
 
     overlay = {"zero_optimization": {"reduce_bucket_size": 123456}, "gradient_clipping": 0.3}
     strategy = get_strategy(ds(stage, deepspeed_config=overlay))
-    strategy.setup_distributed()
     with strategy.init_model_context():
         actor, critic, rm1, rm2, initial = (TinyNet() for _ in range(5))
     (a, a_opt, a_sched), (c, c_opt, c_sched), rewards, ref = strategy.prepare_models_and_optimizers(
@@ -66,7 +65,6 @@ def save_model_case(out_dir: str, stage: int) -> dict[str, Any]:
     """Build a tiny HF model in init_model_context (partitioned at ZeRO-3), train one
     step, save_model, and return the engine's logits."""
     strategy = get_strategy(ds(stage, train_batch_size=2, micro_train_batch_size=1))
-    strategy.setup_distributed()
     with strategy.init_model_context():
         model = tiny_qwen2()
     partitioned = all(hasattr(p, "ds_id") for p in model.parameters())
@@ -91,7 +89,6 @@ def nonfinite_case(stage: int, precision: str) -> dict[str, Any]:
     strategy = get_strategy(
         ds(stage, precision=precision, train_batch_size=4, lr_scheduler="linear")
     )
-    strategy.setup_distributed()
     (actor, optim, sched), *_ = strategy.prepare_models_and_optimizers(
         TinyNet(), None, None, None, None, 10
     )
@@ -127,7 +124,6 @@ def nonfinite_case(stage: int, precision: str) -> dict[str, Any]:
 def teardown_case(stage: int, save_dir: str) -> int:
     """One short ZeRO job: build, step, checkpoint, close. Returns the step count."""
     strategy = get_strategy(ds(stage, train_batch_size=4))
-    strategy.setup_distributed()
     with strategy.init_model_context():
         model = TinyNet()
     (actor, optim, sched), *_ = strategy.prepare_models_and_optimizers(
@@ -146,7 +142,6 @@ def teardown_case(stage: int, save_dir: str) -> int:
 def load_case(stage: int, load_dir: str) -> str:
     """Try to load ``load_dir`` into a fresh ZeRO-``stage`` actor; return the error."""
     strategy = get_strategy(ds(stage))
-    strategy.setup_distributed()
     (actor, _, _), *_ = strategy.prepare_models_and_optimizers(
         TinyNet(), None, None, None, None, 10
     )

@@ -208,18 +208,20 @@ def test_launch_env_errors(env: dict[str, str], message: str) -> None:
 
 
 def test_world_size_check_runs_at_setup() -> None:
-    strategy = get_strategy(workers.config(sp_size=2))
     with pytest.raises(ConfigError, match="sp_size=2: does not divide the world size 1"):
-        strategy.setup_distributed()
+        get_strategy(workers.config(sp_size=2))  # setup runs in the constructor
     assert not torch.distributed.is_initialized()  # checked before any rendezvous
+    deferred = get_strategy(workers.config(sp_size=2), defer_setup=True)
+    with pytest.raises(ConfigError, match="sp_size=2: does not divide the world size 1"):
+        deferred.setup_distributed()
+    assert not torch.distributed.is_initialized()
 
 
 def test_cuda_requested_without_cuda_is_an_error() -> None:
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA")
-    strategy = get_strategy(workers.config(device="cuda"))
     with pytest.raises(ConfigError, match="device='cuda': CUDA is not available here"):
-        strategy.setup_distributed()
+        get_strategy(workers.config(device="cuda"))
 
 
 # -- optimizer and schedule ------------------------------------------------------------

@@ -93,7 +93,6 @@ def train(
     step of (a) a model built and prepared like the actor (sharded or partitioned
     alike) and (b) a plain module, both starting from the actor's initial weights."""
     strategy = get_strategy(cfg)
-    strategy.setup_distributed()
     if meta_init:  # ranks would build different weights: only rank 0's may survive
         torch.manual_seed(cfg["seed"] + strategy.get_rank())
     with strategy.init_model_context(meta_init=meta_init) if init_context else nullcontext():
@@ -209,7 +208,6 @@ def assert_states_close(
 def load_full_checkpoint(cfg: dict[str, Any], load_dir: str) -> dict[str, Any]:
     """Load ``load_dir`` at this run's world size; return rank 0's full model state."""
     strategy = get_strategy(cfg)
-    strategy.setup_distributed()
     model = TinyNet()
     (actor, _, _), *_ = strategy.prepare_models_and_optimizers(
         model, None, None, None, None, max_steps=100
@@ -223,7 +221,6 @@ def load_full_checkpoint(cfg: dict[str, Any], load_dir: str) -> dict[str, Any]:
 
 def collectives_case() -> dict[str, Any]:
     strategy = get_strategy(config())
-    strategy.setup_distributed()
     rank = strategy.get_rank()
     out = {
         "mean_int": strategy.all_reduce(rank + 1),
@@ -250,7 +247,6 @@ def ema_case(steps: int = 3, beta: float = 0.9) -> dict[str, Any]:
     """EMA of a sharded model into (a) a model sharded the same way and (b) a plain
     module, against EMA computed on full tensors."""
     strategy = get_strategy(config())
-    strategy.setup_distributed()
     model = TinyNet()
     expected = {k: v.detach().clone() for k, v in model.state_dict().items()}
     sharded_ema, plain_ema = TinyNet(), TinyNet()  # both start as copies of the model
@@ -296,7 +292,6 @@ def save_model_case(out_dir: str) -> dict[str, Any]:
     """Train a tiny HF model a step under FSDP2 (sharded per decoder layer via
     _no_split_modules), save_model, and return the sharded model's logits."""
     strategy = get_strategy(config(train_batch_size=2, micro_train_batch_size=1))
-    strategy.setup_distributed()
     (actor, optim, _), *_ = strategy.prepare_models_and_optimizers(
         tiny_qwen2(), None, None, None, None, 10
     )
@@ -317,7 +312,6 @@ def save_model_case(out_dir: str) -> dict[str, Any]:
 
 def rotation_case(save_dir: str, saves: int, max_num: int) -> list[str]:
     strategy = get_strategy(config())
-    strategy.setup_distributed()
     (actor, optim, _), *_ = strategy.prepare_models_and_optimizers(
         TinyNet(), None, None, None, None, 10
     )
@@ -341,7 +335,6 @@ def killed_save_case(save_dir: str, kill_in: str) -> None:
     from lightrft.strategy.checkpoint import layout
 
     strategy = get_strategy(config())
-    strategy.setup_distributed()
     (actor, optim, _), *_ = strategy.prepare_models_and_optimizers(
         TinyNet(), None, None, None, None, 10
     )
@@ -377,7 +370,6 @@ def offload_case() -> dict[str, Any]:
     """maybe_offload_optimizer moves Adam state to CPU; maybe_load_optimizer brings it
     back unchanged (CUDA only: on CPU both are where they started)."""
     strategy = get_strategy(config(device="cuda", train_batch_size=2, micro_train_batch_size=2))
-    strategy.setup_distributed()
     (actor, optim, _), *_ = strategy.prepare_models_and_optimizers(
         TinyNet(), None, None, None, None, 10
     )
@@ -397,7 +389,6 @@ def offload_case() -> dict[str, Any]:
 def rank0_fails_while_saving_case(save_dir: str) -> str:
     """Rank 0 fails writing its part of a checkpoint: every rank must raise, none hang."""
     strategy = get_strategy(config())
-    strategy.setup_distributed()
     (actor, _, sched), *_ = strategy.prepare_models_and_optimizers(
         TinyNet(), None, None, None, None, 10
     )
@@ -422,7 +413,6 @@ def offload_model_case(cfg: dict[str, Any], offload: bool) -> dict[str, Any]:
     """Two steps with offload_model / reload_model between them (when ``offload``):
     accelerator memory before and after, and the losses (equal to a run without)."""
     strategy = get_strategy(cfg)
-    strategy.setup_distributed()
     (actor, optim, sched), *_ = strategy.prepare_models_and_optimizers(
         TinyNet(), None, None, None, None, 10
     )
@@ -456,7 +446,6 @@ def rollout_case(cfg: dict[str, Any], leader_only: bool) -> dict[str, Any]:
     from lightrft.testing import FakeEngine, tensor_digest
 
     strategy = get_strategy(cfg)
-    strategy.setup_distributed()
     with strategy.init_model_context():
         model = TinyNet()
     (actor, _, _), *_ = strategy.prepare_models_and_optimizers(model, None, None, None, None, 10)

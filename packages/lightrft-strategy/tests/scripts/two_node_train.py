@@ -21,7 +21,6 @@ from lightrft.strategy import get_strategy
 
 def main(out: Path) -> None:
     strategy = get_strategy(workers.config())
-    strategy.setup_distributed()
     (actor, optim, sched), *_ = strategy.prepare_models_and_optimizers(
         workers.TinyNet(), None, None, None, None, 10
     )

@@ -2,7 +2,7 @@
 
     from lightrft.strategy import get_strategy
     strategy = get_strategy(args)          # argparse namespace, dict or StrategyConfig
-    strategy.setup_distributed()
+    # ready: joined the launched job (or a world of one), device picked, seeded
 
 Backends are imported only when selected: importing this package imports neither
 DeepSpeed nor any inference engine.
@@ -14,6 +14,7 @@ from typing import Any
 
 from lightrft.config import ConfigError, StrategyConfig
 from lightrft.strategy.base import StrategyBase
+from lightrft.strategy.construction import NotSetUpError
 from lightrft.strategy.checkpoint import (
     CheckpointError,
     CheckpointNotFoundError,
@@ -29,8 +30,10 @@ from lightrft.strategy.registry import (
 )
 
 
-def get_fake_strategy(args: Any = None, /, **overrides: Any) -> StrategyBase:
-    """A single-process :class:`FakeStrategy` for tests (from lightrft-testing)."""
+def get_fake_strategy(
+    args: Any = None, /, *, defer_setup: bool = False, **overrides: Any
+) -> StrategyBase:
+    """A ready single-process :class:`FakeStrategy` for tests (from lightrft-testing)."""
     try:
         from lightrft.testing import get_fake_strategy as factory
     except ImportError as exc:
@@ -38,7 +41,7 @@ def get_fake_strategy(args: Any = None, /, **overrides: Any) -> StrategyBase:
             "get_fake_strategy lives in the lightrft-testing distribution: "
             f"pip install lightrft-testing ({exc})"
         ) from exc
-    strategy: StrategyBase = factory(args, **overrides)
+    strategy: StrategyBase = factory(args, defer_setup=defer_setup, **overrides)
     return strategy
 
 
@@ -56,6 +59,7 @@ __all__ = [
     "ConfigError",
     "ForeignCheckpointError",
     "IncompleteCheckpointError",
+    "NotSetUpError",
     "StrategyBase",
     "StrategyConfig",
     "UnknownBackendError",

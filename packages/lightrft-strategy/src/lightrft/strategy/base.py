@@ -16,7 +16,7 @@ import math
 import random
 import sys
 import weakref
-from abc import ABC, abstractmethod
+from abc import abstractmethod
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -27,6 +27,12 @@ from torch import nn
 
 from lightrft.config import StrategyConfig
 from lightrft.strategy import collectives, distributed
+from lightrft.strategy.construction import (
+    BASE_PARAMETERS,
+    NotSetUpError,
+    ReadyOnConstruction,
+    config_from_constructor,
+)
 from lightrft.strategy.data import ResumableDataLoader, build_dataloader
 from lightrft.strategy.optim import build_adamw, build_scheduler, parameter_groups
 from lightrft.strategy.rollout import InferenceEngineCalls
@@ -38,27 +44,41 @@ _print_logger = logging.getLogger("lightrft.strategy.print")
 Triple = tuple[nn.Module, torch.optim.Optimizer, Any]
 
 
-class StrategyBase(InferenceEngineCalls, ABC):
+class StrategyBase(InferenceEngineCalls, metaclass=ReadyOnConstruction):
     """A distributed training strategy. Build one with :func:`lightrft.strategy.get_strategy`.
+
+    The constructor returns a strategy that has joined the job, as upstream's does: it
+    has run :meth:`setup_distributed` (process group, device, world-size checks, seed),
+    so ``world_size`` and ``accumulated_gradient`` are known. Pass ``defer_setup=True``
+    to call :meth:`setup_distributed` yourself later (e.g. with a ``timeout``); until
+    then every call that depends on the world raises :class:`NotSetUpError`.
 
     Args:
         config: a :class:`StrategyConfig`, an argparse namespace, a mapping, or None for
             the defaults. The original object stays available as ``strategy.args``.
+            Upstream's positional form (``seed, max_norm, micro_train_batch_size,
+            train_batch_size, [backend fields,] args``, see :attr:`upstream_parameters`)
+            is accepted too; numbers given that way win over ``args``.
+        defer_setup: do not call :meth:`setup_distributed` in the constructor.
         **overrides: fields that win over ``config`` (``seed=1``, ``zero_stage=3``...).
     """
 
     #: Registry name of the backend (``"fsdp2"``, ``"deepspeed"``, ``"fake"``).
     backend_name: str = ""
+    #: Upstream's positional constructor parameters of this class, in order.
+    upstream_parameters: tuple[str, ...] = BASE_PARAMETERS
 
-    def __init__(self, config: Any = None, /, **overrides: Any) -> None:
-        if isinstance(config, StrategyConfig) and not overrides:
-            self.config = config
-        else:
-            self.config = StrategyConfig.from_args(config, **overrides)
-        self.args = config if config is not None else self.config
+    def __init__(self, *positional: Any, defer_setup: bool = False, **overrides: Any) -> None:
+        self.config, args = config_from_constructor(
+            type(self).__name__, self.upstream_parameters, positional, overrides
+        )
+        self.args = args if args is not None else self.config
+        self.defer_setup = defer_setup
         self.launch = distributed.LaunchEnv(0, 0, 1, 1, "127.0.0.1", 0, "single")
         self.device = torch.device("cpu")
-        self.accumulated_gradient = 1
+        self._accumulated_gradient = 1
+        self._ready = False
+        self._closed = False
         self._owns_process_group = False
         self._step_states = StepStates()
         self._dataloaders: list[weakref.ref[ResumableDataLoader]] = []
@@ -86,37 +106,102 @@ class StrategyBase(InferenceEngineCalls, ABC):
 
     @property
     def world_size(self) -> int:
-        return dist.get_world_size() if dist.is_initialized() else self.launch.world_size
+        """Ranks in the job: the process group's size once set up; before that, what
+        the launcher put in the environment (never a silent 1 inside a launched job)."""
+        if dist.is_initialized():
+            return dist.get_world_size()
+        if self._ready:
+            return self.launch.world_size
+        return distributed.LaunchEnv.from_environ().world_size
+
+    @property
+    def accumulated_gradient(self) -> int:
+        """Micro-batches per optimizer step: ``train_batch_size / (micro_train_batch_size
+        * world_size)``. Known once :meth:`setup_distributed` has run."""
+        self._require_setup("accumulated_gradient")
+        return self._accumulated_gradient
+
+    @accumulated_gradient.setter
+    def accumulated_gradient(self, value: int) -> None:
+        self._accumulated_gradient = int(value)
+
+    @property
+    def is_ready(self) -> bool:
+        """Whether :meth:`setup_distributed` has run (and :meth:`close` has not)."""
+        return self._ready
+
+    def _require_setup(self, what: str) -> None:
+        """Raise :class:`NotSetUpError` naming ``what`` when setup has not run."""
+        if self._ready:
+            return
+        launch = distributed.LaunchEnv.from_environ()
+        where = (
+            f"this process is rank {launch.rank} of a job of WORLD_SIZE={launch.world_size} "
+            f"({launch.launcher}), so it would train alone"
+            if launch.world_size > 1
+            else "the process group, device, seed and accumulation are not set"
+        )
+        if self._closed:
+            raise NotSetUpError(
+                f"{what}: this {type(self).__name__} was closed; {where}. Build a new "
+                "strategy, or call strategy.setup_distributed() again"
+            )
+        raise NotSetUpError(
+            f"{what}: {type(self).__name__} was built with defer_setup=True and "
+            f"strategy.setup_distributed() has not run; {where}. Call "
+            "strategy.setup_distributed() first, or build the strategy without defer_setup"
+        )
 
     # -- setup -------------------------------------------------------------------------
     def setup_distributed(self, timeout: datetime.timedelta | None = None) -> None:
         """Join the job's process group (creating a world of one when not launched by
-        torchrun/SLURM), pick the device, check world-size dependent settings, seed."""
+        torchrun/SLURM), pick the device, check world-size dependent settings, seed.
+
+        The constructor calls it unless ``defer_setup=True``; calling it again on a
+        ready strategy changes nothing (no re-seeding, no new group).
+        """
+        if self._ready:
+            logger.debug("%s strategy is already set up; nothing to do", self.backend_name)
+            return
         self.launch = distributed.LaunchEnv.from_environ()
         self.device = distributed.resolve_device(self.config.device)
         self.config.validate_world_size(self.launch.world_size)  # before any rendezvous
         self._owns_process_group = distributed.init_process_group(self.launch, self.device, timeout)
-        self.accumulated_gradient = self.config.gradient_accumulation_steps(self.world_size)
+        self._finish_setup()
+
+    def _finish_setup(self) -> None:
+        """The end of every setup, once ``launch``/``device`` are set and the group is
+        joined: accumulation steps, seeding, readiness, then :meth:`_after_setup`."""
+        self._accumulated_gradient = self.config.gradient_accumulation_steps(self.world_size)
         self.set_seed(self.config.seed)
-        self._after_setup()
+        self._ready, self._closed = True, False
+        try:
+            self._after_setup()
+        except BaseException:
+            self._ready = False
+            raise
         logger.debug(
             "%s strategy ready: rank %d/%d on %s, %d micro-batches per step",
             self.backend_name,
             self.get_rank(),
             self.world_size,
             self.device,
-            self.accumulated_gradient,
+            self._accumulated_gradient,
         )
 
     def _after_setup(self) -> None:
         """Backend hook run at the end of :meth:`setup_distributed`."""
 
     def close(self) -> None:
-        """Destroy the process group if :meth:`setup_distributed` created it."""
+        """Destroy the process group if :meth:`setup_distributed` created it. The
+        strategy is then no longer set up."""
         if self._owns_process_group and dist.is_initialized():
             dist.barrier()
             dist.destroy_process_group()
         self._owns_process_group = False
+        if self._ready:
+            self._closed = True
+        self._ready = False
 
     def __enter__(self) -> StrategyBase:
         return self
@@ -160,10 +245,12 @@ class StrategyBase(InferenceEngineCalls, ABC):
     # -- collectives ---------------------------------------------------------------------
     def all_reduce(self, data: Any, op: collectives.ReduceOp = "mean") -> Any:
         """Reduce tensors, numbers or dicts of them over all ranks; same types back."""
+        self._require_setup("all_reduce")
         return collectives.all_reduce(data, op)
 
     def all_gather(self, data: Any) -> Any:
         """Gather tensors (concatenated on dim 0), numbers (a list) or dicts of them."""
+        self._require_setup("all_gather")
         return collectives.all_gather(data)
 
     # -- data ----------------------------------------------------------------------------
@@ -183,6 +270,7 @@ class StrategyBase(InferenceEngineCalls, ABC):
         resumable (``consumed_samples`` is a global count), saved and restored by
         :meth:`save_ckpt` / :meth:`load_ckpt`. ``batch_size`` defaults to
         ``micro_train_batch_size``."""
+        self._require_setup("setup_dataloader")
         if sampler is not None:
             raise ValueError(
                 "setup_dataloader builds its own resumable distributed sampler; pass "
@@ -233,6 +321,7 @@ class StrategyBase(InferenceEngineCalls, ABC):
         ``lr`` defaults to ``actor_learning_rate``, ``betas`` to ``adam_betas`` and
         ``weight_decay`` to ``l2``; other keyword arguments go to the optimizer.
         """
+        self._require_setup("create_optimizer")
         model = self._model_for_optimizer(model)
         lr = kwargs.pop("lr", self.config.actor_learning_rate)
         betas = tuple(kwargs.pop("betas", self.config.adam_betas))
@@ -262,13 +351,20 @@ class StrategyBase(InferenceEngineCalls, ABC):
 
     def prepare(self, *models_or_model_optim_pairs: Any, is_rlhf: bool = False) -> Any:
         """Wrap each ``(model, optimizer, scheduler)`` triple for training and each plain
-        model for evaluation; ``None`` passes through. One argument gives one result,
-        several give a list, as upstream."""
+        model for evaluation; a list or tuple of models is prepared as reward models
+        (:meth:`prepare_reward_models`), a triple whose model is ``None`` gives
+        ``(None, None, None)`` and ``None`` passes through. One argument gives one
+        result, several give a list, as upstream."""
+        self._require_setup("prepare")
         results: list[Any] = []
         for item in models_or_model_optim_pairs:
             if item is None:
                 results.append(None)
-            elif isinstance(item, tuple):
+            elif isinstance(item, tuple | list) and all(isinstance(m, nn.Module) for m in item):
+                results.append(self.prepare_reward_models(item))  # upstream: reward models
+            elif isinstance(item, tuple | list) and len(item) == 3 and item[0] is None:
+                results.append((None, None, None))  # an absent critic
+            elif isinstance(item, tuple | list):
                 if len(item) != 3:
                     raise ValueError(
                         f"prepare takes (model, optimizer, scheduler) triples, got a "
@@ -283,6 +379,7 @@ class StrategyBase(InferenceEngineCalls, ABC):
 
     def prepare_model(self, model: nn.Module, is_training: bool = False) -> nn.Module:
         """Wrap one model without an optimizer (reference, reward or EMA models)."""
+        self._require_setup("prepare_model")
         return self._prepare_eval(model) if not is_training else self._prepare_train_model(model)
 
     @abstractmethod
@@ -313,31 +410,51 @@ class StrategyBase(InferenceEngineCalls, ABC):
         ``(None, None, None)``; ``reward_models`` keeps its shape (one model or a list).
         Learning rates come from ``args`` when given, else from this strategy's config.
         """
+        self._require_setup("prepare_models_and_optimizers")
         config = self.config if args is None else StrategyConfig.from_args(args)
 
-        def triple(model: nn.Module, lr: float) -> Triple:
-            model = self._prepare_train_model(model)
-            optimizer = self.create_optimizer(model, lr=lr, betas=config.adam_betas)
-            scheduler = self.create_scheduler(optimizer, max_steps)
-            prepared: Triple = self.prepare((model, optimizer, scheduler))
-            return prepared
-
-        actor_triple = triple(actor, config.actor_learning_rate)
+        actor_triple = self._train_triple(actor, config, config.actor_learning_rate, max_steps)
         critic_triple: tuple[Any, Any, Any] = (
-            triple(critic, config.critic_learning_rate) if critic is not None else (None,) * 3
+            self._train_triple(critic, config, config.critic_learning_rate, max_steps)
+            if critic is not None
+            else (None,) * 3
         )
         if isinstance(reward_models, list | tuple):
-            rewards: Any = [self.prepare_reward_model(m) for m in reward_models]
-        else:
-            rewards = self.prepare_reward_model(reward_models)
+            rewards: Any = self.prepare_reward_models(reward_models)
+        elif isinstance(reward_models, nn.Module):
+            rewards = self.prepare_model(reward_models)
+        else:  # None, or a remote reward: passes through
+            rewards = reward_models
         initial = self.prepare_model(initial_model) if initial_model is not None else None
         return actor_triple, critic_triple, rewards, initial
 
-    def prepare_reward_model(self, reward_model: Any) -> Any:
-        """Wrap a reward model for inference; ``None`` (or a remote reward) passes through."""
-        if reward_model is None or not isinstance(reward_model, nn.Module):
-            return reward_model
-        return self.prepare_model(reward_model)
+    def prepare_reward_models(self, reward_models: Any) -> list[Any]:
+        """Wrap each reward model for inference, as upstream's DeepSpeed backend does;
+        entries that are not modules (``None``, remote rewards) pass through."""
+        self._require_setup("prepare_reward_models")
+        return [self.prepare_model(m) if isinstance(m, nn.Module) else m for m in reward_models]
+
+    def prepare_reward_model(
+        self, reward_model: nn.Module, args: Any = None, max_steps: int = int(1e8)
+    ) -> Triple:
+        """Prepare a reward model for *training* (upstream's reward-model trainers):
+        returns ``(model, optimizer, scheduler)`` with ``actor_learning_rate``,
+        ``adam_betas``, ``l2`` and the configured schedule over ``max_steps``, all read
+        from ``args`` when given, else from this strategy's config."""
+        self._require_setup("prepare_reward_model")
+        config = self.config if args is None else StrategyConfig.from_args(args)
+        return self._train_triple(reward_model, config, config.actor_learning_rate, max_steps)
+
+    def _train_triple(
+        self, model: nn.Module, config: StrategyConfig, lr: float, max_steps: int
+    ) -> Triple:
+        model = self._prepare_train_model(model)
+        optimizer = self.create_optimizer(
+            model, lr=lr, betas=config.adam_betas, weight_decay=config.l2
+        )
+        scheduler = build_scheduler(optimizer, config, max_steps)
+        prepared: Triple = self.prepare((model, optimizer, scheduler))
+        return prepared
 
     def unwrap_model(self, model: nn.Module) -> nn.Module:
         """The user's module inside any wrapper (``.module`` chains)."""
@@ -352,6 +469,7 @@ class StrategyBase(InferenceEngineCalls, ABC):
     # -- training steps ------------------------------------------------------------------
     def backward(self, loss: torch.Tensor, model: nn.Module, optimizer: Any, **kwargs: Any) -> None:
         """Backpropagate ``loss / accumulated_gradient``."""
+        self._require_setup("backward")
         state = self.step_state(model)
         last = (state.micro_steps + 1) % self.accumulated_gradient == 0
         self._before_backward(model, is_last_micro_step=last)
@@ -373,6 +491,7 @@ class StrategyBase(InferenceEngineCalls, ABC):
         Returns whether the optimizer stepped (False between accumulation boundaries
         and when a non-finite gradient norm skipped the step).
         """
+        self._require_setup("optimizer_step")
         state = self.step_state(model)
         state.micro_steps += 1
         if state.micro_steps % self.accumulated_gradient:
@@ -471,6 +590,7 @@ class StrategyBase(InferenceEngineCalls, ABC):
     ) -> None:
         """Write ``model`` in Hugging Face format (``*.safetensors``, config.json,
         tokenizer files) to ``output_dir`` on rank 0. Collective."""
+        self._require_setup("save_model")
         from lightrft.strategy.hf_export import write_hf_checkpoint
 
         state = self.full_state_dict(model)
@@ -479,6 +599,55 @@ class StrategyBase(InferenceEngineCalls, ABC):
                 state, self.unwrap_model(model), Path(output_dir), tokenizer, **kwargs
             )
         self.barrier()
+
+    def load_model(
+        self,
+        model: nn.Module,
+        path: str | Path,
+        map_location: Any = "cpu",
+        strict: bool = False,
+        key_replace_fn: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None = None,
+    ) -> None:
+        """Load weights from ``path`` into ``model``, prepared or not (upstream's
+        signature). ``path`` is a state dict saved with ``torch.save`` (read with
+        ``weights_only=True``), a ``.safetensors`` file or a Hugging Face model
+        directory; ``key_replace_fn`` may rename the keys first. Every rank reads the
+        file. Collective on sharded models.
+
+        Names are checked before anything is loaded: with ``strict`` any missing or
+        unexpected name raises :class:`~lightrft.strategy.CheckpointError` naming them;
+        without it they are logged, and a file sharing no name with the model raises.
+        """
+        from lightrft.strategy.checkpoint.layout import CheckpointError
+        from lightrft.strategy.weight_files import read_weights, some_names as shown
+
+        self._require_setup("load_model")
+        state = read_weights(path, map_location)
+        if key_replace_fn is not None:
+            state = key_replace_fn(state)
+        expected = set(self.unwrap_model(model).state_dict())
+        missing = sorted(expected - set(state))
+        unexpected = sorted(set(state) - expected)
+        if (strict and (missing or unexpected)) or len(unexpected) == len(state):
+            raise CheckpointError(
+                f"load_model: {path} does not fit {type(self.unwrap_model(model)).__name__}: "
+                f"{len(missing)} missing name(s) [{shown(missing)}], {len(unexpected)} "
+                f"unexpected [{shown(unexpected)}]. Rename keys with key_replace_fn"
+                + ("" if not strict else ", or pass strict=False to load the matching ones")
+                + "; nothing was loaded"
+            )
+        if missing or unexpected:
+            logger.warning(
+                "load_model(%s): %d model name(s) not in the file [%s], %d file name(s) not "
+                "in the model [%s]",
+                path, len(missing), shown(missing), len(unexpected), shown(unexpected),
+            )  # fmt: skip
+        self._load_full_weights(model, {k: v for k, v in state.items() if k in expected})
+
+    def _load_full_weights(self, model: nn.Module, state: dict[str, torch.Tensor]) -> None:
+        """Backend hook: copy full (unsharded) tensors, all of whose names the model has,
+        into ``model``. The default copies into the unwrapped module's tensors."""
+        self.unwrap_model(model).load_state_dict(state, strict=False)
 
     @abstractmethod
     def moving_average(
@@ -506,6 +675,7 @@ class StrategyBase(InferenceEngineCalls, ABC):
         ``tag`` defaults to ``global_step<N>``; rotation keeps ``max_num`` (default
         ``max_ckpt_num``) checkpoints within ``max_mem`` GiB (default ``max_ckpt_mem``).
         """
+        self._require_setup("save_ckpt")
         from lightrft.strategy.checkpoint.manager import save_checkpoint
 
         return save_checkpoint(
@@ -531,6 +701,7 @@ class StrategyBase(InferenceEngineCalls, ABC):
         checkpoint exists, when it is incomplete or truncated, or when another backend
         wrote it; nothing is loaded in those cases.
         """
+        self._require_setup("load_ckpt")
         from lightrft.strategy.checkpoint.manager import load_checkpoint
 
         return load_checkpoint(

@@ -159,12 +159,17 @@ def init_process_group(
                 f"the launcher ({launch.launcher}) says WORLD_SIZE={launch.world_size}"
             )
         return False
-    port = launch.master_port or find_free_port()
-    os.environ.setdefault("MASTER_ADDR", launch.master_addr)
-    os.environ.setdefault("MASTER_PORT", str(port))
+    if launch.launcher == "single":
+        # a private port, not written to os.environ: child processes (a test's
+        # subprocesses, a launcher) must not inherit a port this process holds
+        port = find_free_port(launch.master_addr)
+    else:
+        port = launch.master_port or find_free_port()
+        os.environ.setdefault("MASTER_ADDR", launch.master_addr)
+        os.environ.setdefault("MASTER_PORT", str(port))
     dist.init_process_group(
         backend=process_group_backend(device),
-        init_method=f"tcp://{launch.master_addr}:{os.environ['MASTER_PORT']}",
+        init_method=f"tcp://{launch.master_addr}:{port}",
         rank=launch.rank,
         world_size=launch.world_size,
         timeout=timeout or DEFAULT_TIMEOUT,

@@ -93,16 +93,22 @@ def get_backend(name: str) -> type[StrategyBase]:
     )
 
 
-def get_strategy(args: Any = None, /, **overrides: Any) -> StrategyBase:
+def get_strategy(args: Any = None, /, *, defer_setup: bool = False, **overrides: Any) -> StrategyBase:
     """Build the configured strategy from a StrategyConfig, an argparse namespace or a
     mapping. The backend is ``backend`` when set, else FSDP2 when ``fsdp`` is true and
-    DeepSpeed otherwise (upstream's rule). ``setup_distributed`` is left to the caller,
-    as upstream."""
+    DeepSpeed otherwise (upstream's rule).
+
+    The strategy returned has joined the job, as upstream's ``get_strategy`` (whose
+    ``StrategyBase.__init__`` calls ``setup_distributed()``): process group, device,
+    world-size checks and seed are done, ``world_size`` and ``accumulated_gradient``
+    are known. ``defer_setup=True`` leaves :meth:`~StrategyBase.setup_distributed` to
+    the caller; until it runs, calls that depend on the world raise ``NotSetUpError``.
+    """
     if isinstance(args, StrategyConfig) and not overrides:
         config = args
     else:
         config = StrategyConfig.from_args(args, **overrides)
     cls = get_backend(config.resolved_backend)
-    strategy = cls(config)
+    strategy = cls(config, defer_setup=True) if defer_setup else cls(config)
     strategy.args = args if args is not None else config
     return strategy

@@ -56,6 +56,8 @@ class InferenceEngineCalls:
 
         def unwrap_model(self, model: nn.Module) -> nn.Module: ...
 
+        def _require_setup(self, what: str) -> None: ...
+
     def iter_full_parameters(self, model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
         """Backend hook: ``(name, full tensor)`` per parameter, in the same order on
         every rank (collective for sharded parameters). The tensor is valid until the
@@ -68,6 +70,7 @@ class InferenceEngineCalls:
         :class:`lightrft.engines.protocol.InferenceEngine`, one per rank) for rollouts,
         and build the tensor-parallel groups of ``engine_tp_size`` consecutive ranks.
         Collective. Returns the engine."""
+        self._require_setup("setup_inference_engine")
         _protocol()
         missing = [name for name in _REQUIRED if not callable(getattr(engine, name, None))]
         if missing:
@@ -92,6 +95,7 @@ class InferenceEngineCalls:
         return engine
 
     def _require_engine(self, what: str) -> Any:
+        self._require_setup(what)
         if self.inference_engine is None:
             raise RuntimeError(f"{what} needs strategy.setup_inference_engine(engine) first")
         return self.inference_engine

@@ -60,6 +60,45 @@ def _config(backend: dict[str, Any], world_size: int, **changes: Any) -> dict[st
     return cfg
 
 
+def _readiness(cfg: dict[str, Any]) -> dict[str, Any]:
+    """What ``get_strategy`` hands back, before any other call; then a second
+    ``setup_distributed()``; then a strategy built with ``defer_setup=True``."""
+    import os
+
+    import torch.distributed as dist
+
+    from lightrft.strategy import get_strategy
+
+    strategy = get_strategy(cfg)
+    out: dict[str, Any] = {
+        "ready": bool(getattr(strategy, "is_ready", False)),
+        "world": strategy.world_size,
+        "launched": int(os.environ.get("WORLD_SIZE", "1")),
+        "group": dist.get_world_size() if dist.is_initialized() else None,
+    }
+    if not out["ready"]:
+        return out  # the check fails on "ready"; nothing else is meaningful
+    out["accumulated"] = strategy.accumulated_gradient
+    torch.manual_seed(1234)
+    torch.rand(3)
+    before = torch.get_rng_state()
+    strategy.setup_distributed()  # again: must change nothing (no re-seed, no new group)
+    out["reseeded"] = not torch.equal(before, torch.get_rng_state())
+    out["again"] = (strategy.world_size, strategy.accumulated_gradient)
+    strategy.close()
+    deferred = get_strategy(cfg, defer_setup=True)
+    try:
+        deferred.create_optimizer(_Net())
+    except Exception as exc:
+        out["deferred_error"] = f"{type(exc).__name__}: {exc}"
+    else:
+        out["deferred_error"] = None
+    deferred.setup_distributed()
+    out["deferred_then_setup"] = (deferred.world_size, deferred.accumulated_gradient)
+    deferred.close()
+    return out
+
+
 def _train(
     cfg: dict[str, Any], steps: int, save_dir: str | None = None, load_dir: str | None = None
 ) -> dict[str, Any]:
@@ -67,7 +106,6 @@ def _train(
     from lightrft.strategy import get_strategy
 
     strategy = get_strategy(cfg)
-    strategy.setup_distributed()
     torch.manual_seed(cfg["seed"])
     (actor, optim, sched), *_ = strategy.prepare_models_and_optimizers(
         _Net(), None, None, None, None, max_steps=8
@@ -136,7 +174,6 @@ def _collectives(cfg: dict[str, Any]) -> dict[str, Any]:
     from lightrft.strategy import get_strategy
 
     strategy = get_strategy(cfg)
-    strategy.setup_distributed()
     rank = strategy.get_rank()
     out = {
         "mean": strategy.all_reduce(float(rank)),
@@ -156,7 +193,6 @@ def _rotation(cfg: dict[str, Any], save_dir: str) -> list[str]:
     from lightrft.strategy import get_strategy
 
     strategy = get_strategy(cfg)
-    strategy.setup_distributed()
     (actor, _, _), *_ = strategy.prepare_models_and_optimizers(_Net(), None, None, None, None, 8)
     for tag in ("a", "b", "c"):
         strategy.save_ckpt(actor, save_dir, tag=tag, max_num=2)
@@ -177,7 +213,6 @@ def _engine(cfg: dict[str, Any]) -> dict[str, Any]:
     from lightrft.testing.fake_engine import FakeEngine, tensor_digest
 
     strategy = get_strategy(cfg)
-    strategy.setup_distributed()
     (actor, _, _), *_ = strategy.prepare_models_and_optimizers(_Net(), None, None, None, None, 8)
     engine = FakeEngine(expected_weights=[n for n, _ in _Net().named_parameters()])
     strategy.setup_inference_engine(engine)
@@ -200,7 +235,6 @@ def _loaders(cfg: dict[str, Any]) -> dict[str, Any]:
     from lightrft.strategy import get_strategy
 
     strategy = get_strategy(cfg)
-    strategy.setup_distributed()
     data = _dataset(24)
     order = [[int(i) for i in b[0]] for b in strategy.setup_dataloader(data, batch_size=2)]
     again = [[int(i) for i in b[0]] for b in strategy.setup_dataloader(data, batch_size=2)]
@@ -215,7 +249,6 @@ def _load_error(cfg: dict[str, Any], load_dir: str) -> str:
     from lightrft.strategy import get_strategy
 
     strategy = get_strategy(cfg)
-    strategy.setup_distributed()
     (actor, _, _), *_ = strategy.prepare_models_and_optimizers(_Net(), None, None, None, None, 8)
     try:
         strategy.load_ckpt(actor, load_dir)
@@ -245,6 +278,20 @@ class StrategyConformance:
         if not self.backend:
             pytest.fail(f"{type(self).__name__} must set `backend` (get_strategy fields)")
         return _config(self.backend, self.world_size, **changes)
+
+    def test_get_strategy_returns_a_ready_strategy(self) -> None:
+        """Joined the job when built (as upstream's constructor does); a second
+        setup_distributed() is a no-op; a deferred one refuses work until set up."""
+        accumulation = 2  # train_batch_size 4 x world / (micro 2 x world)
+        for r in self._run(_readiness, self.config()):
+            assert r["ready"], "get_strategy returned a strategy that is not set up"
+            assert r["world"] == r["launched"] == self.world_size, r
+            assert r["group"] in (None, self.world_size), r
+            assert r["accumulated"] == accumulation, r
+            assert not r["reseeded"], "a second setup_distributed() re-seeded"
+            assert r["again"] == (self.world_size, accumulation), r
+            assert r["deferred_error"] and "setup_distributed()" in r["deferred_error"], r
+            assert r["deferred_then_setup"] == (self.world_size, accumulation), r
 
     def test_training_matches_the_unsharded_reference(self) -> None:
         """Accumulation (2 micro-batches), clipping (active), warmup + cosine schedule."""

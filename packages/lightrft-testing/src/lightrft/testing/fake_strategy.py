@@ -41,44 +41,34 @@ class FakeStrategy(StrategyBase):
     """A single-process strategy with no process group and no GPU needed.
 
     ``FakeStrategy(seed, max_norm, micro_train_batch_size, train_batch_size, args)`` as
-    upstream; the four numbers, when given, win over ``args`` (a namespace, mapping or
-    :class:`StrategyConfig`), and ``overrides`` win over everything.
+    upstream, or ``FakeStrategy(config, **overrides)``; the four numbers, when given,
+    win over ``args`` (a namespace, mapping or :class:`StrategyConfig`), and
+    ``overrides`` win over everything. Like every strategy it is ready when built
+    (seeded, ``accumulated_gradient`` known) unless ``defer_setup=True``.
     """
 
     backend_name = "fake"
 
-    def __init__(
-        self,
-        seed: int | None = None,
-        max_norm: float | None = None,
-        micro_train_batch_size: int | None = None,
-        train_batch_size: int | None = None,
-        args: Any = None,
-        **overrides: Any,
-    ) -> None:
-        if isinstance(seed, StrategyConfig):  # get_strategy passes a config first
-            args, seed = seed, None
-        given = {
-            "seed": seed,
-            "max_norm": max_norm,
-            "micro_train_batch_size": micro_train_batch_size,
-            "train_batch_size": train_batch_size,
-        }
-        fields = {k: v for k, v in given.items() if v is not None}
-        config = StrategyConfig.from_args(args, **{**fields, **overrides, "backend": "fake"})
-        super().__init__(config)
-        self.args = args if args is not None else self.config
+    def __init__(self, *positional: Any, **overrides: Any) -> None:
+        super().__init__(*positional, **{**overrides, "backend": "fake"})
+
+    @property
+    def world_size(self) -> int:
+        """Always 1: the fake ignores torchrun/SLURM variables."""
+        return 1
 
     # -- setup -----------------------------------------------------------------------------
     def setup_distributed(self, timeout: datetime.timedelta | None = None) -> None:
-        """A world of one, without a process group; picks the device, seeds."""
+        """A world of one, without a process group; picks the device, seeds. Again on a
+        ready strategy: nothing changes."""
         del timeout
+        if self.is_ready:
+            return
         self.launch = _distributed.LaunchEnv(0, 0, 1, 1, "127.0.0.1", 0, "single")
         # CPU unless CUDA is asked for by name ("auto" stays on the CPU: no GPU needed)
         self.device = _distributed.resolve_device("cuda" if self.config.device == "cuda" else "cpu")
         self.config.validate_world_size(1)
-        self.accumulated_gradient = self.config.gradient_accumulation_steps(1)
-        self.set_seed(self.config.seed)
+        self._finish_setup()
 
     # -- wrapping: none ------------------------------------------------------------------
     def _prepare_train(self, model: nn.Module, optimizer: Any, scheduler: Any) -> Triple:
@@ -95,6 +85,7 @@ class FakeStrategy(StrategyBase):
     def init_model_context(self, meta_init: bool = False) -> Iterator[None]:
         """Builds normally (``meta_init`` has no other rank to take weights from)."""
         del meta_init
+        self._require_setup("init_model_context")
         yield
 
     # -- state -----------------------------------------------------------------------------
@@ -136,6 +127,8 @@ class FakeStrategy(StrategyBase):
             optimizer.load_state_dict(load_plain(directory / "optim.pt"))
 
 
-def get_fake_strategy(args: Any = None, /, **overrides: Any) -> FakeStrategy:
-    """A :class:`FakeStrategy` from ``args`` (namespace, mapping, config or None)."""
-    return FakeStrategy(args=args, **overrides)
+def get_fake_strategy(
+    args: Any = None, /, *, defer_setup: bool = False, **overrides: Any
+) -> FakeStrategy:
+    """A ready :class:`FakeStrategy` from ``args`` (namespace, mapping, config or None)."""
+    return FakeStrategy(args=args, defer_setup=defer_setup, **overrides)

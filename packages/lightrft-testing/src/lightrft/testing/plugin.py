@@ -52,7 +52,6 @@ def fake_strategy(strategy_config: StrategyConfig) -> Iterator[FakeStrategy]:
     from lightrft.testing.fake_strategy import FakeStrategy
 
     strategy = FakeStrategy(args=strategy_config)
-    strategy.setup_distributed()
     yield strategy
     strategy.close()
 

@@ -23,6 +23,7 @@ from torch import nn
 from torch.utils._pytree import tree_map
 
 from lightrft.strategy.base import StrategyBase, Triple
+from lightrft.strategy.construction import BASE_PARAMETERS
 from lightrft.strategy.checkpoint.layout import METADATA_FILE, CheckpointError
 from lightrft.strategy.deepspeed import ds_config, safe_checkpoint
 from lightrft.strategy.optim import build_adamw
@@ -57,9 +58,12 @@ class DeepspeedStrategy(StrategyBase):
     """
 
     backend_name = "deepspeed"
+    #: ``DeepspeedStrategy(seed, max_norm, micro_train_batch_size, train_batch_size,
+    #: zero_stage, bf16, args)`` as upstream.
+    upstream_parameters = (*BASE_PARAMETERS[:-1], "zero_stage", "bf16", "args")
 
-    def __init__(self, config: Any = None, /, **overrides: Any) -> None:
-        super().__init__(config, **overrides)
+    def __init__(self, *positional: Any, **overrides: Any) -> None:
+        super().__init__(*positional, **overrides)
         self._engines: weakref.WeakSet[DeepSpeedEngine] = weakref.WeakSet()
         self._hf_ds_config: Any = None  # keeps transformers' ZeRO-3 switch alive
         self._hf_zero3_tried = False
@@ -227,6 +231,7 @@ class DeepspeedStrategy(StrategyBase):
         fp32 ones rounded. Load pretrained weights, or build outside this context to
         initialise in fp32 (a full copy per rank until prepared).
         """
+        self._require_setup("init_model_context")
         if self.config.zero_stage == 3:
             train_config = self.get_ds_train_config()
             self._enable_hf_zero3(train_config)
@@ -269,6 +274,7 @@ class DeepspeedStrategy(StrategyBase):
     def backward(self, loss: torch.Tensor, model: nn.Module, optimizer: Any, **kwargs: Any) -> None:
         """``engine.backward``: scales by ``1 / accumulated_gradient`` and reduces
         gradients on the last micro-step (every micro-step at ZeRO-2/3)."""
+        self._require_setup("backward")
         engine = self._engine(model, "backward")
         self._sync_micro_steps(engine)
         engine.backward(loss, **kwargs)
@@ -294,6 +300,7 @@ class DeepspeedStrategy(StrategyBase):
         The engine steps the scheduler given to :meth:`prepare`; a ``scheduler``
         passed here is stepped only when the engine has none.
         """
+        self._require_setup("optimizer_step")
         engine = self._engine(model, "optimizer_step")
         state = self.step_state(engine)
         self._sync_micro_steps(engine)
@@ -430,12 +437,28 @@ class DeepspeedStrategy(StrategyBase):
             with deepspeed.zero.GatheredParameters([param], enabled=gather):
                 yield name, param.data
 
+    def _load_full_weights(self, model: nn.Module, state: dict[str, torch.Tensor]) -> None:
+        """ZeRO-3 parameters are gathered and written back from rank 0; an engine whose
+        optimizer keeps fp32 master copies (ZeRO-1/2/3, bf16/fp16) refreshes them from
+        the loaded weights (in bf16/fp16 those are the loaded values rounded)."""
+        module = self.unwrap_model(model)
+        partitioned = [p for p in module.parameters() if _is_partitioned(p)]
+        with deepspeed.zero.GatheredParameters(
+            partitioned, modifier_rank=0, enabled=bool(partitioned)
+        ):
+            module.load_state_dict(state, strict=False)
+        optimizer = getattr(model, "optimizer", None) if isinstance(model, DeepSpeedEngine) else None
+        refresh = getattr(optimizer, "refresh_fp32_params", None)
+        if callable(refresh):
+            refresh()
+
     def moving_average(
         self, model: nn.Module, model_ema: nn.Module, beta: float = 0.992, device: str = "cpu"
     ) -> None:
         """``ema = beta * ema + (1 - beta) * model``. Two ZeRO-3 models partitioned
         alike update shard by shard (no communication); otherwise the model's ZeRO-3
         parameters are gathered (and a ZeRO-3 EMA model written back from rank 0)."""
+        self._require_setup("moving_average")
         ema_params = dict(self.unwrap_model(model_ema).named_parameters())
         with torch.no_grad():
             for name, param in self.unwrap_model(model).named_parameters():

@@ -1,5 +1,5 @@
-"""The PyTorch FSDP2 (``fully_shard``) backend."""
+"""The PyTorch FSDP2 (``fully_shard``) backend; ``FSDPV2Strategy`` is upstream's name."""
 
-from lightrft.strategy.fsdp2.strategy import FSDP2Strategy
+from lightrft.strategy.fsdp2.strategy import FSDP2Strategy, FSDPV2Strategy
 
-__all__ = ["FSDP2Strategy"]
+__all__ = ["FSDP2Strategy", "FSDPV2Strategy"]

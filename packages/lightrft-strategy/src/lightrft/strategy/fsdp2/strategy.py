@@ -27,6 +27,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from lightrft.strategy.base import StrategyBase, Triple
+from lightrft.strategy.construction import BASE_PARAMETERS
 from lightrft.strategy.checkpoint.layout import CheckpointError
 from lightrft.strategy.checkpoint.safe_io import SafeFileSystemReader
 from lightrft.strategy.fsdp2.sharding import build_mesh, shard_model
@@ -57,9 +58,12 @@ class FSDP2Strategy(StrategyBase):
     """
 
     backend_name = "fsdp2"
+    #: ``FSDPV2Strategy(seed, max_norm, micro_train_batch_size, train_batch_size, bf16,
+    #: args)`` as upstream.
+    upstream_parameters = (*BASE_PARAMETERS[:-1], "bf16", "args")
 
-    def __init__(self, config: Any = None, /, **overrides: Any) -> None:
-        super().__init__(config, **overrides)
+    def __init__(self, *positional: Any, **overrides: Any) -> None:
+        super().__init__(*positional, **overrides)
         self.mesh: Any = None
 
     def _after_setup(self) -> None:
@@ -149,6 +153,7 @@ class FSDP2Strategy(StrategyBase):
     def init_model_context(self, meta_init: bool = False) -> Iterator[None]:
         """With ``meta_init``, ranks other than 0 build models on the meta device (no
         memory); when prepared, those models are allocated and take rank 0's weights."""
+        self._require_setup("init_model_context")
         if not meta_init or self.world_size == 1 or self.is_rank_0():
             yield
         else:
@@ -162,6 +167,12 @@ class FSDP2Strategy(StrategyBase):
         )
         return {name: value for name, value in state.items() if isinstance(value, torch.Tensor)}
 
+    def _load_full_weights(self, model: nn.Module, state: dict[str, torch.Tensor]) -> None:
+        # every rank holds the full tensors; each keeps its own shard of them
+        set_model_state_dict(
+            model, state, options=StateDictOptions(full_state_dict=True, strict=False)
+        )
+
     def iter_full_parameters(self, model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
         for name, param in model.named_parameters():
             yield name, param.full_tensor() if isinstance(param, DTensor) else param.detach()
@@ -171,6 +182,7 @@ class FSDP2Strategy(StrategyBase):
     ) -> None:
         """EMA on matching shards when both models are sharded alike, else on full
         tensors gathered from the sharded model."""
+        self._require_setup("moving_average")
         ema_params = dict(model_ema.named_parameters())
         with torch.no_grad():
             for name, param in model.named_parameters():
@@ -221,3 +233,7 @@ class FSDP2Strategy(StrategyBase):
         set_model_state_dict(model, state["model"], options=StateDictOptions(strict=strict))
         if "optim" in state:
             set_optimizer_state_dict(model, optimizer, state["optim"])
+
+
+#: Upstream's name for this backend (``lightrft.strategy.fsdp.fsdpv2.FSDPV2Strategy``).
+FSDPV2Strategy = FSDP2Strategy
