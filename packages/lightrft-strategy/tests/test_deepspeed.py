@@ -230,3 +230,30 @@ def test_deepspeed_engine_files_are_read_without_arbitrary_unpickling(tmp_path: 
     with pytest.raises(CheckpointError, match=r"mp_rank_00_model_states.pt holds objects"):
         engine.load(str(bad))
     assert not marker.exists()
+
+
+def test_zero3_load_model_gathers_nothing_wrong_and_refuses_bad_files(tmp_path: Path) -> None:
+    torch.manual_seed(5)
+    source = workers.TinyNet()
+    weights = tmp_path / "weights.pt"
+    torch.save(source.state_dict(), weights)
+    cfg = workers.config(backend="deepspeed", zero_stage=3)
+    ranks = run_distributed(
+        workers.load_model_case, 2, cfg, str(weights), True, init_process_group=False,
+        timeout=300,
+    )  # fmt: skip
+    workers.assert_states_close(ranks[0]["untouched"], ranks[0]["before"], rtol=0, atol=0)
+    workers.assert_states_close(ranks[0]["loaded"], source.state_dict(), rtol=0, atol=0)
+    with torch.no_grad():
+        want = source(torch.linspace(-1, 1, 2 * workers.DIM).reshape(2, workers.DIM))
+    for result in ranks:
+        torch.testing.assert_close(result["output"], want, rtol=1e-6, atol=1e-6)
+        assert set(result["errors"]) == {"strict_partial", "renamed", "corrupt", "missing"}
+
+
+def test_zero3_deferred_setup_refuses_use_until_set_up() -> None:
+    cfg = workers.config(backend="deepspeed", zero_stage=3)
+    ranks = run_distributed(workers.deferred_use_case, 2, cfg, init_process_group=False)
+    for result in ranks:
+        assert all(e and e.startswith("NotSetUpError") for e in result["errors"].values())
+        assert result["world"] == 2 and result["accumulated"] == 2

@@ -91,3 +91,36 @@ def test_a_rank0_failure_while_saving_raises_on_every_rank(tmp_path: Path) -> No
     assert outcomes[0] == "OSError: disk full (simulated)"
     assert outcomes[1].startswith("CheckpointError: rank 0 failed writing checkpoint 'bad'")
     assert (tmp_path / LATEST_FILE).read_text().strip() == "good"
+
+
+@pytest.mark.parametrize("prepared", [True, False], ids=["sharded", "plain"])
+def test_load_model_reads_full_weights_and_refuses_bad_files_unchanged(
+    tmp_path: Path, prepared: bool
+) -> None:
+    torch.manual_seed(5)
+    source = workers.TinyNet()
+    weights = tmp_path / "weights.pt"
+    torch.save(source.state_dict(), weights)
+    ranks = run_distributed(
+        workers.load_model_case, 2, workers.config(), str(weights), prepared,
+        init_process_group=False,
+    )  # fmt: skip
+    expected = source.state_dict()
+    r0 = ranks[0]
+    assert any(not torch.equal(r0["before"][k], v) for k, v in expected.items())
+    workers.assert_states_close(r0["untouched"], r0["before"], rtol=0, atol=0)
+    workers.assert_states_close(r0["loaded"], expected, rtol=0, atol=0)
+    with torch.no_grad():
+        want = source(torch.linspace(-1, 1, 2 * workers.DIM).reshape(2, workers.DIM))
+    for result in ranks:
+        torch.testing.assert_close(result["output"], want, rtol=1e-6, atol=1e-6)
+        errors = result["errors"]
+        assert errors["strict_partial"].startswith("CheckpointError")
+        assert "partial.pt" in errors["strict_partial"] and "head.bias" in errors["strict_partial"]
+        assert "strict=False" in errors["strict_partial"]
+        assert "renamed.pt" in errors["renamed"] and "key_replace_fn" in errors["renamed"]
+        assert "model.head.bias" in errors["renamed"] or "model." in errors["renamed"]
+        assert errors["corrupt"].startswith("CheckpointError") and "corrupt.pt" in errors["corrupt"]
+        assert (
+            errors["missing"].startswith("FileNotFoundError") and "absent.pt" in errors["missing"]
+        )

@@ -93,3 +93,30 @@ def test_meta_init_takes_rank0_weights() -> None:
     assert [r["built_on_meta"] for r in meta] == [False, True]
     assert meta[0]["losses"] == plain[0]["losses"]
     workers.assert_states_close(meta[0]["state"], plain[0]["state"], rtol=0, atol=0)
+
+
+def test_deferred_setup_refuses_every_world_dependent_use_in_a_launched_job() -> None:
+    """defer_setup=True inside a 2-rank job: each first use that depends on the world
+    raises NotSetUpError naming setup_distributed(), joins no group and writes nothing;
+    an explicit setup_distributed() then makes the strategy whole."""
+    ranks = run_distributed(
+        workers.deferred_use_case, 2, workers.config(), init_process_group=False
+    )
+    for rank, result in enumerate(ranks):
+        assert set(result["errors"]) == set(workers.DEFERRED_USES)
+        for use, error in result["errors"].items():
+            assert error is not None, f"rank {rank}: {use} ran on a strategy not set up"
+            assert error.startswith("NotSetUpError: "), (use, error)
+            assert "setup_distributed()" in error and "WORLD_SIZE=2" in error, (use, error)
+            assert "would train alone" in error
+        assert result["world_before"] == 2  # read from the launcher, never a silent 1
+        assert not result["group_before"] and not result["wrote"]
+        assert result["world"] == 2 and result["accumulated"] == 2  # 8 / (2 micro x 2)
+
+
+def test_deferred_setup_then_setup_distributed_trains_at_parity() -> None:
+    cfg = workers.config()
+    ranks = run_distributed(workers.train, 2, cfg, 3, defer_setup=True, init_process_group=False)
+    ref = workers.reference(cfg, 3, [r["used"] for r in ranks])
+    torch.testing.assert_close(ranks[0]["losses"], ref["losses"], rtol=1e-5, atol=1e-6)
+    workers.assert_states_close(ranks[0]["state"], ref["state"], rtol=1e-5, atol=1e-6)

@@ -86,13 +86,18 @@ def train(
     meta_init: bool = False,
     ema_beta: float | None = None,
     init_context: bool = True,
+    defer_setup: bool = False,
 ) -> dict[str, Any]:
     """Train ``steps`` optimizer steps; optionally resume from ``load_dir`` first and
     save to ``save_dir`` after. Returns losses, sample indices used, grad norms, and
     (rank 0) the full final state dict. With ``ema_beta``, also the EMA after each
     step of (a) a model built and prepared like the actor (sharded or partitioned
-    alike) and (b) a plain module, both starting from the actor's initial weights."""
-    strategy = get_strategy(cfg)
+    alike) and (b) a plain module, both starting from the actor's initial weights.
+    With ``defer_setup``, the strategy is built deferred and set up explicitly."""
+    strategy = get_strategy(cfg, defer_setup=defer_setup)
+    if defer_setup:
+        assert not strategy.is_ready
+        strategy.setup_distributed()
     if meta_init:  # ranks would build different weights: only rank 0's may survive
         torch.manual_seed(cfg["seed"] + strategy.get_rank())
     with strategy.init_model_context(meta_init=meta_init) if init_context else nullcontext():
@@ -488,4 +493,107 @@ def rollout_case(cfg: dict[str, Any], leader_only: bool) -> dict[str, Any]:
         "slept": slept,
         "errors": errors,
         "syncs": len(engine.syncs),
+    }
+
+
+#: Each first use of a deferred strategy that depends on the world, by name.
+DEFERRED_USES: dict[str, Any] = {
+    "init_model_context": lambda s, m: s.init_model_context().__enter__(),
+    "prepare": lambda s, m: s.prepare(m),
+    "prepare_models_and_optimizers": lambda s, m: s.prepare_models_and_optimizers(
+        m, None, None, None, None, 10
+    ),
+    "create_optimizer": lambda s, m: s.create_optimizer(m),
+    "backward": lambda s, m: s.backward(m(torch.ones(2, DIM)).sum(), m, None),
+    "optimizer_step": lambda s, m: s.optimizer_step(None, m, None),
+    "setup_dataloader": lambda s, m: s.setup_dataloader(IndexedRegression()),
+    "save_ckpt": lambda s, m: s.save_ckpt(m, "never-written"),
+    "load_ckpt": lambda s, m: s.load_ckpt(m, "never-read"),
+    "all_reduce": lambda s, m: s.all_reduce(1.0),
+    "all_gather": lambda s, m: s.all_gather(1.0),
+    "accumulated_gradient": lambda s, m: s.accumulated_gradient,
+}
+
+
+def deferred_use_case(cfg: dict[str, Any]) -> dict[str, Any]:
+    """A strategy built with defer_setup=True inside a 2-rank job: every world-dependent
+    first use must raise (naming setup_distributed()) and join nothing; then an explicit
+    setup_distributed() makes it train."""
+    import torch.distributed as dist
+
+    strategy = get_strategy(cfg, defer_setup=True)
+    errors: dict[str, str | None] = {}
+    for name, use in DEFERRED_USES.items():
+        try:
+            use(strategy, TinyNet())
+        except Exception as exc:
+            errors[name] = f"{type(exc).__name__}: {exc}"
+        else:
+            errors[name] = None
+    out: dict[str, Any] = {
+        "errors": errors,
+        "world_before": strategy.world_size,
+        "group_before": dist.is_initialized(),
+        "wrote": Path("never-written").exists(),
+    }
+    strategy.setup_distributed()
+    out["accumulated"] = strategy.accumulated_gradient
+    out["world"] = strategy.world_size
+    strategy.close()
+    return out
+
+
+def load_model_case(cfg: dict[str, Any], weights: str, prepared: bool) -> dict[str, Any]:
+    """load_model(``weights``) into a fresh TinyNet (prepared by the strategy or plain);
+    return rank 0's full state afterwards, and the errors of bad loads (which must
+    leave the weights as they were)."""
+    strategy = get_strategy(cfg)
+    torch.manual_seed(99)  # other weights than the file's
+    model: nn.Module = TinyNet()
+    if prepared:
+        (model, _, _), *_ = strategy.prepare_models_and_optimizers(
+            model, None, None, None, None, 10
+        )
+
+    def snapshot() -> dict[str, torch.Tensor]:  # a plain module's state aliases its tensors
+        return {k: v.clone() for k, v in strategy.full_state_dict(model).items()}
+
+    before = snapshot()
+    errors: dict[str, str] = {}
+    renamed = Path(weights).with_name("renamed.pt")
+    if strategy.get_rank() == 0:
+        state = torch.load(weights, weights_only=True)
+        torch.save({"model." + k: v for k, v in state.items()}, renamed)
+        Path(weights).with_name("corrupt.pt").write_bytes(b"not a checkpoint")
+        partial = dict(state)
+        partial.pop("head.bias")
+        torch.save(partial, Path(weights).with_name("partial.pt"))
+    strategy.barrier()
+    for label, path, kwargs in [
+        ("strict_partial", Path(weights).with_name("partial.pt"), {"strict": True}),
+        ("renamed", renamed, {}),
+        ("corrupt", Path(weights).with_name("corrupt.pt"), {}),
+        ("missing", Path(weights).with_name("absent.pt"), {}),
+    ]:
+        try:
+            strategy.load_model(model, path, **kwargs)
+        except Exception as exc:
+            errors[label] = f"{type(exc).__name__}: {exc}"
+    untouched = snapshot()
+    strategy.load_model(
+        model,
+        renamed,
+        key_replace_fn=lambda sd: {k.removeprefix("model."): v for k, v in sd.items()},
+    )
+    loaded = strategy.full_state_dict(model)
+    with torch.no_grad():  # the wrapped model computes with the loaded weights
+        output = model(torch.linspace(-1, 1, 2 * DIM).reshape(2, DIM)).detach()
+    rank = strategy.get_rank()
+    strategy.close()
+    return {
+        "before": before if rank == 0 else None,
+        "untouched": untouched if rank == 0 else None,
+        "loaded": loaded if rank == 0 else None,
+        "output": output,
+        "errors": errors,
     }

@@ -14,9 +14,9 @@ import pytest
 import torch
 from torch import nn
 
-from lightrft.strategy import StrategyBase, get_fake_strategy, get_strategy
+from lightrft.strategy import get_fake_strategy, get_strategy
 from lightrft.strategy.checkpoint import CheckpointError
-from lightrft.testing import FakeEngine, FakeStrategy
+from lightrft.testing import FakeEngine, FakeStrategy, spec_examples
 
 
 class Net(nn.Module):
@@ -35,17 +35,33 @@ def _data(n: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(n, 8, generator=gen), torch.randn(n, 2, generator=gen)
 
 
-def test_the_spec_example_runs_without_any_distributed_setup(tmp_path: Path) -> None:
-    strategy = get_fake_strategy()
-    strategy.setup_distributed()
-    model = nn.Linear(4, 1)
-    optimizer = strategy.create_optimizer(model)
-    loss = model(torch.ones(2, 4)).sum()
-    strategy.backward(loss, model, optimizer)
-    strategy.save_ckpt(model, tmp_path / "checkpoints")
-    assert isinstance(strategy, FakeStrategy) and isinstance(strategy, StrategyBase)
-    assert (tmp_path / "checkpoints" / "latest").read_text().strip() == "global_step0"
+def test_the_spec_examples_run_as_written_on_the_fake(tmp_path: Path) -> None:
+    third = spec_examples.run_example_3(tmp_path)
+    assert third["type"] == "FakeStrategy" and third["grads"]
+    assert third["latest"] == "global_step0"
+    assert (tmp_path / "checkpoints" / "global_step0" / "model.pt").is_file()
+    first = spec_examples.run_example_1({"backend": "fake", "train_batch_size": 8,
+                                         "micro_train_batch_size": 2}, micro_batches=8)  # fmt: skip
+    assert first["type"] == "FakeStrategy" and first["accumulated"] == 4
+    assert first["steps"] == 2 and first["moved"]
+    second = spec_examples.run_example_2({"backend": "fake"})
+    assert second["type"] == "FakeStrategy" and second["ready"]
+    assert second["accumulated"] == 8  # 32 / (4 micro x 1 rank)
     assert not torch.distributed.is_initialized()
+
+
+def test_upstream_positional_construction_accumulates_from_the_start() -> None:
+    strategy = FakeStrategy(42, 1.0, 2, 8, None)
+    assert strategy.is_ready and strategy.accumulated_gradient == 4
+    model = nn.Linear(4, 1)
+    optimizer = strategy.create_optimizer(model, lr=0.1)
+    stepped = []
+    for _ in range(8):
+        strategy.backward(model(torch.ones(2, 4)).sum(), model, optimizer)
+        stepped.append(strategy.optimizer_step(optimizer, model, None))
+    assert stepped == [False, False, False, True] * 2
+    strategy.setup_distributed()  # again, as the spec's example 3 does: nothing changes
+    assert strategy.accumulated_gradient == 4 and strategy.step_state(model).global_steps == 2
 
 
 def test_selected_by_configuration_and_constructed_as_upstream() -> None:

@@ -14,13 +14,13 @@ from typing import Any
 
 from lightrft.config import ConfigError, StrategyConfig
 from lightrft.strategy.base import StrategyBase
-from lightrft.strategy.construction import NotSetUpError
 from lightrft.strategy.checkpoint import (
     CheckpointError,
     CheckpointNotFoundError,
     ForeignCheckpointError,
     IncompleteCheckpointError,
 )
+from lightrft.strategy.construction import NotSetUpError
 from lightrft.strategy.registry import (
     UnknownBackendError,
     available_backends,

@@ -619,7 +619,8 @@ class StrategyBase(InferenceEngineCalls, metaclass=ReadyOnConstruction):
         without it they are logged, and a file sharing no name with the model raises.
         """
         from lightrft.strategy.checkpoint.layout import CheckpointError
-        from lightrft.strategy.weight_files import read_weights, some_names as shown
+        from lightrft.strategy.weight_files import read_weights
+        from lightrft.strategy.weight_files import some_names as shown
 
         self._require_setup("load_model")
         state = read_weights(path, map_location)

@@ -93,7 +93,9 @@ def get_backend(name: str) -> type[StrategyBase]:
     )
 
 
-def get_strategy(args: Any = None, /, *, defer_setup: bool = False, **overrides: Any) -> StrategyBase:
+def get_strategy(
+    args: Any = None, /, *, defer_setup: bool = False, **overrides: Any
+) -> StrategyBase:
     """Build the configured strategy from a StrategyConfig, an argparse namespace or a
     mapping. The backend is ``backend`` when set, else FSDP2 when ``fsdp`` is true and
     DeepSpeed otherwise (upstream's rule).

@@ -67,7 +67,10 @@ def read_weights(path: str | Path, map_location: Any = "cpu") -> dict[str, torch
     if path.is_file():
         return _read_file(path, map_location)
     if not path.is_dir():
-        raise FileNotFoundError(f"load_model: {path} does not exist")
+        raise FileNotFoundError(
+            f"load_model: {path} does not exist; pass a weights file (.pt, .bin, "
+            ".safetensors) or a Hugging Face model directory"
+        )
     index = path / _HF_INDEX
     if index.is_file():
         shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))

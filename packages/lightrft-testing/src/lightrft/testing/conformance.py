@@ -245,6 +245,16 @@ def _loaders(cfg: dict[str, Any]) -> dict[str, Any]:
     return {"order": order, "again": again, "resumed": resumed}
 
 
+def _spec_examples(cfg: dict[str, Any], backend: dict[str, Any]) -> dict[str, Any]:
+    """The specification's examples 1 and 2, one after the other in this rank (the
+    second joins the group the first made: re-creating a group on the same port at
+    once races with the ranks still tearing the old one down)."""
+    from lightrft.testing import spec_examples
+
+    first = spec_examples.run_example_1(cfg, micro_batches=4, close=False)
+    return {"example_1": first, "example_2": spec_examples.run_example_2(backend)}
+
+
 def _load_error(cfg: dict[str, Any], load_dir: str) -> str:
     from lightrft.strategy import get_strategy
 
@@ -292,6 +302,18 @@ class StrategyConformance:
             assert r["again"] == (self.world_size, accumulation), r
             assert r["deferred_error"] and "setup_distributed()" in r["deferred_error"], r
             assert r["deferred_then_setup"] == (self.world_size, accumulation), r
+
+    def test_the_specifications_usage_examples_run(self) -> None:
+        """Examples 1 and 2 of the specification, their text executed as written
+        (see :mod:`lightrft.testing.spec_examples`), on this backend."""
+        backend = {**self.backend, "device": "cpu"}
+        for r in self._run(_spec_examples, self.config(), backend):
+            first, second = r["example_1"], r["example_2"]
+            assert (first["world"], first["accumulated"]) == (self.world_size, 2), first
+            assert first["steps"] == 2 and first["moved"], "example 1 did not train"
+            assert second["ready"] and second["world"] == self.world_size, second
+            assert second["accumulated"] == 32 // (4 * self.world_size), second
+            assert second["seed"] == 42 and second["bf16"] is True, second
 
     def test_training_matches_the_unsharded_reference(self) -> None:
         """Accumulation (2 micro-batches), clipping (active), warmup + cosine schedule."""

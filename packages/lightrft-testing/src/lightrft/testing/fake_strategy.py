@@ -29,7 +29,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightrft.config import StrategyConfig
 from lightrft.strategy import StrategyBase
 from lightrft.strategy import distributed as _distributed
 from lightrft.strategy.base import Triple

@@ -23,8 +23,8 @@ from torch import nn
 from torch.utils._pytree import tree_map
 
 from lightrft.strategy.base import StrategyBase, Triple
-from lightrft.strategy.construction import BASE_PARAMETERS
 from lightrft.strategy.checkpoint.layout import METADATA_FILE, CheckpointError
+from lightrft.strategy.construction import BASE_PARAMETERS
 from lightrft.strategy.deepspeed import ds_config, safe_checkpoint
 from lightrft.strategy.optim import build_adamw
 from lightrft.strategy.stepping import clip_and_check, record_skip
@@ -447,7 +447,9 @@ class DeepspeedStrategy(StrategyBase):
             partitioned, modifier_rank=0, enabled=bool(partitioned)
         ):
             module.load_state_dict(state, strict=False)
-        optimizer = getattr(model, "optimizer", None) if isinstance(model, DeepSpeedEngine) else None
+        optimizer = (
+            getattr(model, "optimizer", None) if isinstance(model, DeepSpeedEngine) else None
+        )
         refresh = getattr(optimizer, "refresh_fp32_params", None)
         if callable(refresh):
             refresh()

@@ -27,9 +27,9 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from lightrft.strategy.base import StrategyBase, Triple
-from lightrft.strategy.construction import BASE_PARAMETERS
 from lightrft.strategy.checkpoint.layout import CheckpointError
 from lightrft.strategy.checkpoint.safe_io import SafeFileSystemReader
+from lightrft.strategy.construction import BASE_PARAMETERS
 from lightrft.strategy.fsdp2.sharding import build_mesh, shard_model
 
 logger = logging.getLogger(__name__)
@@ -170,7 +170,7 @@ class FSDP2Strategy(StrategyBase):
     def _load_full_weights(self, model: nn.Module, state: dict[str, torch.Tensor]) -> None:
         # every rank holds the full tensors; each keeps its own shard of them
         set_model_state_dict(
-            model, state, options=StateDictOptions(full_state_dict=True, strict=False)
+            model, dict(state), options=StateDictOptions(full_state_dict=True, strict=False)
         )
 
     def iter_full_parameters(self, model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
