@@ -124,3 +124,21 @@ def test_load_model_reads_full_weights_and_refuses_bad_files_unchanged(
         assert (
             errors["missing"].startswith("FileNotFoundError") and "absent.pt" in errors["missing"]
         )
+
+
+def test_prepare_model_takes_upstream_shard_size_and_reshard_arguments() -> None:
+    ranks = run_distributed(workers.layout_case, 2, workers.config(), init_process_group=False)
+    layouts = ranks[0]["layouts"]
+    head = (4, workers.DIM)
+    assert layouts["default"]["mesh"] == (2,) and layouts["default"]["local"] == (2, workers.DIM)
+    assert layouts["every_rank"] == layouts["capped"] == layouts["default"]
+    # shard groups of one rank: replicated, every rank holds the whole tensor
+    assert layouts["replicated"]["mesh"] == (2, 1) and layouts["replicated"]["local"] == head
+    assert layouts["auto"] == layouts["replicated"]  # under 10 B parameters, as upstream
+    assert layouts["default"]["block_sharded_after_forward"] is True
+    assert layouts["keep_gathered"]["block_sharded_after_forward"] is False
+    errors = ranks[1]["errors"]
+    assert set(errors) == {"0", "-2", "half"}  # sizes above the world are capped to it
+    assert "shard_size=0 is not a shard group size" in errors["0"] and "-1" in errors["0"]
+    assert "shard_size=-2" in errors["-2"] and "shard_size='half'" in errors["half"]
+    assert ranks[1]["none"] is None

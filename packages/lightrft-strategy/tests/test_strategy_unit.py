@@ -65,6 +65,19 @@ def test_get_strategy_accepts_upstream_inputs(args: object) -> None:
     assert isinstance(strategy, FSDP2Strategy)
     assert strategy.config.seed == 3
     assert strategy.args is args
+    by_keyword = get_strategy(args=args)  # upstream's get_strategy(args=...) spelling
+    assert isinstance(by_keyword, FSDP2Strategy) and by_keyword.config.seed == 3
+    assert by_keyword.args is args
+
+
+def test_upstream_attribute_names_read_the_config() -> None:
+    strategy = get_strategy(workers.config(zpg=1, overlap_comm=True, grad_accum_dtype="fp32",
+                                           engine_type="hf"))  # fmt: skip
+    assert strategy.bf16 is False and strategy.adam_offload is False
+    assert (strategy.zpg, strategy.overlap_comm, strategy.grad_accum_dtype) == (1, True, "fp32")
+    assert strategy.engine_type == "hf"
+    strategy.setup_distributed(None, 8)  # upstream's num_gpu_per_node: accepted, not needed
+    strategy.close()
 
 
 def test_default_backend_is_deepspeed_or_an_error_naming_its_extra() -> None:

@@ -597,3 +597,39 @@ def load_model_case(cfg: dict[str, Any], weights: str, prepared: bool) -> dict[s
         "output": output,
         "errors": errors,
     }
+
+
+def layout_case(cfg: dict[str, Any]) -> dict[str, Any]:
+    """prepare_model with upstream FSDP's shard_size / reshard_after_forward: the mesh
+    each model got, its local shard, whether a block stays gathered after forward, and
+    the errors of bad sizes."""
+    from torch.distributed.tensor import DTensor
+
+    strategy = get_strategy(cfg)
+    layouts: dict[str, Any] = {}
+    for label, kwargs in [
+        ("default", {}),
+        ("replicated", {"shard_size": 1}),
+        ("auto", {"shard_size": "auto"}),
+        ("every_rank", {"shard_size": -1}),
+        ("capped", {"shard_size": 8}),
+        ("keep_gathered", {"reshard_after_forward": False}),
+    ]:
+        model: Any = strategy.prepare_model(TinyNet(), **kwargs)
+        weight = model.head.weight
+        with torch.no_grad():
+            model(torch.ones(2, DIM))
+        layouts[label] = {
+            "mesh": tuple(weight.device_mesh.shape),
+            "local": tuple(weight.to_local().shape),
+            "block_sharded_after_forward": isinstance(model.layers[0].up.weight, DTensor),
+        }
+    errors = {}
+    for bad in (0, -2, "half"):
+        try:
+            strategy.prepare_model(TinyNet(), shard_size=bad)
+        except ValueError as exc:
+            errors[str(bad)] = str(exc)
+    none = strategy.prepare_model(None, shard_size=1)  # type: ignore[arg-type]
+    strategy.close()
+    return {"layouts": layouts, "errors": errors, "none": none}

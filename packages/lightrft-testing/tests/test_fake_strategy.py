@@ -38,6 +38,8 @@ def _data(n: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
 def test_the_spec_examples_run_as_written_on_the_fake(tmp_path: Path) -> None:
     third = spec_examples.run_example_3(tmp_path)
     assert third["type"] == "FakeStrategy" and third["grads"]
+    namespace = argparse.Namespace(seed=7)
+    assert get_fake_strategy(args=namespace).seed == 7  # upstream's keyword spelling
     assert third["latest"] == "global_step0"
     assert (tmp_path / "checkpoints" / "global_step0" / "model.pt").is_file()
     first = spec_examples.run_example_1({"backend": "fake", "train_batch_size": 8,
@@ -209,3 +211,24 @@ def test_importing_it_needs_only_torch() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[] cpu"
+
+
+def test_moving_average_updates_once_per_optimizer_step_as_upstream_trainers_call_it() -> None:
+    """Upstream trainers call moving_average after every micro-batch; the EMA moves
+    once per optimizer step, not once per call (upstream DeepSpeed counts calls)."""
+    strategy = FakeStrategy(0, 1.0, 2, 8, None)  # 4 micro-batches per step
+    model, ema = nn.Linear(4, 1), nn.Linear(4, 1)
+    ema.load_state_dict(model.state_dict())
+    expected = {k: v.clone() for k, v in ema.state_dict().items()}
+    optimizer = strategy.create_optimizer(model, lr=0.1)
+    updates = []
+    for _ in range(8):
+        strategy.backward(model(torch.ones(2, 4)).sum(), model, optimizer)
+        if strategy.optimizer_step(optimizer, model, None):
+            expected = {k: 0.5 * expected[k] + 0.5 * v for k, v in model.state_dict().items()}
+        updates.append(strategy.moving_average(model, ema, beta=0.5))
+    assert updates == [False, False, False, True] * 2
+    for name, value in ema.state_dict().items():
+        torch.testing.assert_close(value, expected[name])
+    frozen, copy = nn.Linear(4, 1), nn.Linear(4, 1)  # never stepped: every call updates
+    assert strategy.moving_average(frozen, copy, 0.5) and strategy.moving_average(frozen, copy)

@@ -31,7 +31,7 @@ from lightrft.strategy.registry import (
 
 
 def get_fake_strategy(
-    args: Any = None, /, *, defer_setup: bool = False, **overrides: Any
+    args: Any = None, *, defer_setup: bool = False, **overrides: Any
 ) -> StrategyBase:
     """A ready single-process :class:`FakeStrategy` for tests (from lightrft-testing)."""
     try:

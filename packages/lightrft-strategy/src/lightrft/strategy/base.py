@@ -86,6 +86,7 @@ class StrategyBase(InferenceEngineCalls, metaclass=ReadyOnConstruction):
         self._optimizers: weakref.WeakKeyDictionary[nn.Module, tuple[Any, Any]] = (
             weakref.WeakKeyDictionary()
         )
+        self._ema_steps: weakref.WeakKeyDictionary[nn.Module, int] = weakref.WeakKeyDictionary()
 
     # -- upstream attribute names ------------------------------------------------------
     @property
@@ -103,6 +104,30 @@ class StrategyBase(InferenceEngineCalls, metaclass=ReadyOnConstruction):
     @property
     def train_batch_size(self) -> int:
         return self.config.train_batch_size
+
+    @property
+    def bf16(self) -> bool:
+        return self.config.bf16
+
+    @property
+    def adam_offload(self) -> bool:
+        return self.config.adam_offload
+
+    @property
+    def zpg(self) -> int:
+        return self.config.zpg
+
+    @property
+    def grad_accum_dtype(self) -> str | None:
+        return self.config.grad_accum_dtype
+
+    @property
+    def overlap_comm(self) -> bool:
+        return self.config.overlap_comm
+
+    @property
+    def engine_type(self) -> str:
+        return self.config.engine_type
 
     @property
     def world_size(self) -> int:
@@ -153,13 +178,18 @@ class StrategyBase(InferenceEngineCalls, metaclass=ReadyOnConstruction):
         )
 
     # -- setup -------------------------------------------------------------------------
-    def setup_distributed(self, timeout: datetime.timedelta | None = None) -> None:
+    def setup_distributed(
+        self, timeout: datetime.timedelta | None = None, num_gpu_per_node: int | None = None
+    ) -> None:
         """Join the job's process group (creating a world of one when not launched by
         torchrun/SLURM), pick the device, check world-size dependent settings, seed.
 
         The constructor calls it unless ``defer_setup=True``; calling it again on a
         ready strategy changes nothing (no re-seeding, no new group).
+        ``num_gpu_per_node`` is accepted for upstream callers and not needed: the local
+        rank comes from the launcher (``LOCAL_RANK``, or SLURM's ``SLURM_LOCALID``).
         """
+        del num_gpu_per_node
         if self._ready:
             logger.debug("%s strategy is already set up; nothing to do", self.backend_name)
             return
@@ -377,10 +407,33 @@ class StrategyBase(InferenceEngineCalls, metaclass=ReadyOnConstruction):
                 results.append(self.prepare_model(item, is_training=False))
         return results[0] if len(results) == 1 else results
 
-    def prepare_model(self, model: nn.Module, is_training: bool = False) -> nn.Module:
-        """Wrap one model without an optimizer (reference, reward or EMA models)."""
+    def prepare_model(
+        self,
+        model: nn.Module,
+        is_training: bool = False,
+        shard_size: int | str | None = None,
+        reshard_after_forward: bool | None = None,
+    ) -> nn.Module:
+        """Wrap one model without an optimizer (reference, reward or EMA models).
+
+        ``shard_size`` and ``reshard_after_forward`` (upstream FSDP's arguments) set this
+        model's FSDP2 layout instead of ``fsdp_shard_size`` /
+        ``fsdp_reshard_after_forward``; other backends have no such layout and ignore
+        them. ``None`` passes through, as upstream."""
         self._require_setup("prepare_model")
-        return self._prepare_eval(model) if not is_training else self._prepare_train_model(model)
+        if model is None:
+            return model
+        with self._model_layout(shard_size, reshard_after_forward):
+            if is_training:
+                return self._prepare_train_model(model)
+            return self._prepare_eval(model)
+
+    def _model_layout(
+        self, shard_size: int | str | None, reshard_after_forward: bool | None
+    ) -> contextlib.AbstractContextManager[Any]:
+        """Backend hook: a context in which models are wrapped with this layout."""
+        del shard_size, reshard_after_forward
+        return contextlib.nullcontext()
 
     @abstractmethod
     def _prepare_train(self, model: nn.Module, optimizer: Any, scheduler: Any) -> Triple:
@@ -516,8 +569,11 @@ class StrategyBase(InferenceEngineCalls, metaclass=ReadyOnConstruction):
         lives on an accelerator); :meth:`maybe_load_optimizer` moves it back."""
         self._move_optimizer_state(optimizer, torch.device("cpu"))
 
-    def maybe_load_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
-        self._move_optimizer_state(optimizer, self.device)
+    def maybe_load_optimizer(
+        self, optimizer: torch.optim.Optimizer, device: torch.device | str | None = None
+    ) -> None:
+        """Move optimizer state back to ``device`` (default: this rank's device)."""
+        self._move_optimizer_state(optimizer, torch.device(device) if device else self.device)
 
     def _move_optimizer_state(self, optimizer: torch.optim.Optimizer, device: torch.device) -> None:
         if self.config.adam_offload:
@@ -530,17 +586,21 @@ class StrategyBase(InferenceEngineCalls, metaclass=ReadyOnConstruction):
             torch.cuda.synchronize()
 
     # -- model offload -------------------------------------------------------------------
-    def offload_model(self, model: nn.Module) -> None:
-        """Move ``model``'s weights and gradients to CPU memory, e.g. while an inference
-        engine on the same accelerator generates; :meth:`reload_model` moves them back.
-        Nothing to do on a CPU job."""
+    def offload_model(self, models: nn.Module | list[nn.Module], empty_cache: bool = True) -> None:
+        """Move the weights and gradients of ``models`` (one model or a list, as
+        upstream FSDP) to CPU memory, e.g. while an inference engine on the same
+        accelerator generates; :meth:`reload_model` moves them back. Nothing to do on a
+        CPU job."""
         if self.device.type == "cuda":
-            self._move_model(model, torch.device("cpu"))
-            torch.cuda.empty_cache()
+            for model in models if isinstance(models, list | tuple) else [models]:
+                self._move_model(model, torch.device("cpu"))
+            if empty_cache:
+                torch.cuda.empty_cache()
 
-    def reload_model(self, model: nn.Module) -> None:
+    def reload_model(self, models: nn.Module | list[nn.Module]) -> None:
         if self.device.type == "cuda":
-            self._move_model(model, self.device)
+            for model in models if isinstance(models, list | tuple) else [models]:
+                self._move_model(model, self.device)
 
     def _move_model(self, model: nn.Module, device: torch.device) -> None:
         """Backend hook; the default moves the module (FSDP2 re-registers its shards)."""
@@ -650,11 +710,29 @@ class StrategyBase(InferenceEngineCalls, metaclass=ReadyOnConstruction):
         into ``model``. The default copies into the unwrapped module's tensors."""
         self.unwrap_model(model).load_state_dict(state, strict=False)
 
-    @abstractmethod
     def moving_average(
         self, model: nn.Module, model_ema: nn.Module, beta: float = 0.992, device: str = "cpu"
-    ) -> None:
-        """``ema = beta * ema + (1 - beta) * model`` over parameters."""
+    ) -> bool:
+        """``ema = beta * ema + (1 - beta) * model`` over parameters, at most once per
+        optimizer step of ``model``: calling it after every micro-batch (as upstream's
+        trainers do, and upstream's DeepSpeed backend counts for) updates once per
+        step, and a step skipped for a non-finite gradient does not update. A model
+        that :meth:`optimizer_step` never stepped updates on every call. Returns
+        whether it updated. ``device`` is accepted for upstream callers; the EMA stays
+        where ``model_ema`` lives."""
+        self._require_setup("moving_average")
+        del device
+        steps = self.step_state(model)
+        ema = self.unwrap_model(model_ema)
+        if steps.micro_steps and self._ema_steps.get(ema, 0) >= steps.global_steps:
+            return False
+        self._update_ema(model, model_ema, beta)
+        self._ema_steps[ema] = steps.global_steps
+        return True
+
+    @abstractmethod
+    def _update_ema(self, model: nn.Module, model_ema: nn.Module, beta: float) -> None:
+        """Backend: ``ema = beta * ema + (1 - beta) * model`` over parameters, now."""
 
     # -- checkpoints -----------------------------------------------------------------------
     def save_ckpt(

@@ -93,9 +93,7 @@ def get_backend(name: str) -> type[StrategyBase]:
     )
 
 
-def get_strategy(
-    args: Any = None, /, *, defer_setup: bool = False, **overrides: Any
-) -> StrategyBase:
+def get_strategy(args: Any = None, *, defer_setup: bool = False, **overrides: Any) -> StrategyBase:
     """Build the configured strategy from a StrategyConfig, an argparse namespace or a
     mapping. The backend is ``backend`` when set, else FSDP2 when ``fsdp`` is true and
     DeepSpeed otherwise (upstream's rule).
@@ -105,6 +103,7 @@ def get_strategy(
     world-size checks and seed are done, ``world_size`` and ``accumulated_gradient``
     are known. ``defer_setup=True`` leaves :meth:`~StrategyBase.setup_distributed` to
     the caller; until it runs, calls that depend on the world raise ``NotSetUpError``.
+    ``args`` may be passed by keyword (``get_strategy(args=namespace)``), as upstream.
     """
     if isinstance(args, StrategyConfig) and not overrides:
         config = args

@@ -57,10 +57,12 @@ class FakeStrategy(StrategyBase):
         return 1
 
     # -- setup -----------------------------------------------------------------------------
-    def setup_distributed(self, timeout: datetime.timedelta | None = None) -> None:
+    def setup_distributed(
+        self, timeout: datetime.timedelta | None = None, num_gpu_per_node: int | None = None
+    ) -> None:
         """A world of one, without a process group; picks the device, seeds. Again on a
         ready strategy: nothing changes."""
-        del timeout
+        del timeout, num_gpu_per_node
         if self.is_ready:
             return
         self.launch = _distributed.LaunchEnv(0, 0, 1, 1, "127.0.0.1", 0, "single")
@@ -92,9 +94,7 @@ class FakeStrategy(StrategyBase):
         module = self.unwrap_model(model)
         return {k: v.detach().to("cpu").clone() for k, v in module.state_dict().items()}
 
-    def moving_average(
-        self, model: nn.Module, model_ema: nn.Module, beta: float = 0.992, device: str = "cpu"
-    ) -> None:
+    def _update_ema(self, model: nn.Module, model_ema: nn.Module, beta: float) -> None:
         ema_params = dict(self.unwrap_model(model_ema).named_parameters())
         with torch.no_grad():
             for name, param in self.unwrap_model(model).named_parameters():
@@ -127,7 +127,7 @@ class FakeStrategy(StrategyBase):
 
 
 def get_fake_strategy(
-    args: Any = None, /, *, defer_setup: bool = False, **overrides: Any
+    args: Any = None, *, defer_setup: bool = False, **overrides: Any
 ) -> FakeStrategy:
     """A ready :class:`FakeStrategy` from ``args`` (namespace, mapping, config or None)."""
     return FakeStrategy(args=args, defer_setup=defer_setup, **overrides)

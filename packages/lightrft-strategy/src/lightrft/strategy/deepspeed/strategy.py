@@ -68,6 +68,11 @@ class DeepspeedStrategy(StrategyBase):
         self._hf_ds_config: Any = None  # keeps transformers' ZeRO-3 switch alive
         self._hf_zero3_tried = False
 
+    @property
+    def stage(self) -> int:
+        """The ZeRO stage (upstream's attribute name)."""
+        return self.config.zero_stage
+
     # -- configs -------------------------------------------------------------------------
     def get_ds_train_config(self, is_actor: bool = True) -> dict[str, Any]:
         """The DeepSpeed config of training engines (``is_actor`` kept for upstream
@@ -356,14 +361,16 @@ class DeepspeedStrategy(StrategyBase):
         else:
             super().maybe_offload_optimizer(optimizer)
 
-    def maybe_load_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+    def maybe_load_optimizer(
+        self, optimizer: torch.optim.Optimizer, device: torch.device | str | None = None
+    ) -> None:
         if self.config.adam_offload or self.device.type != "cuda":
             return
         engine = self._engine_of(optimizer)
         if engine is not None and engine.zero_optimization_stage() > 0:
             engine.reload_states()
         else:
-            super().maybe_load_optimizer(optimizer)
+            super().maybe_load_optimizer(optimizer, device)
 
     def _move_model(self, model: nn.Module, device: torch.device) -> None:
         """ZeRO training engines move their 16-bit parameters and gradient buffers with
@@ -454,13 +461,10 @@ class DeepspeedStrategy(StrategyBase):
         if callable(refresh):
             refresh()
 
-    def moving_average(
-        self, model: nn.Module, model_ema: nn.Module, beta: float = 0.992, device: str = "cpu"
-    ) -> None:
-        """``ema = beta * ema + (1 - beta) * model``. Two ZeRO-3 models partitioned
-        alike update shard by shard (no communication); otherwise the model's ZeRO-3
-        parameters are gathered (and a ZeRO-3 EMA model written back from rank 0)."""
-        self._require_setup("moving_average")
+    def _update_ema(self, model: nn.Module, model_ema: nn.Module, beta: float) -> None:
+        """Two ZeRO-3 models partitioned alike update shard by shard (no
+        communication); otherwise the model's ZeRO-3 parameters are gathered (and a
+        ZeRO-3 EMA model written back from rank 0)."""
         ema_params = dict(self.unwrap_model(model_ema).named_parameters())
         with torch.no_grad():
             for name, param in self.unwrap_model(model).named_parameters():

@@ -65,9 +65,53 @@ class FSDP2Strategy(StrategyBase):
     def __init__(self, *positional: Any, **overrides: Any) -> None:
         super().__init__(*positional, **overrides)
         self.mesh: Any = None
+        self._meshes: dict[int, Any] = {}
+        self._layout: tuple[int | str | None, bool] | None = None  # prepare_model's
 
     def _after_setup(self) -> None:
         self.mesh = build_mesh(self.world_size, self.config.fsdp_shard_size, self.device.type)
+        self._meshes = {self.config.fsdp_shard_size or self.world_size: self.mesh}
+
+    @contextlib.contextmanager
+    def _model_layout(
+        self, shard_size: int | str | None, reshard_after_forward: bool | None
+    ) -> Iterator[None]:
+        """``prepare_model(shard_size=..., reshard_after_forward=...)``: upstream's
+        values: -1 (or the world size) shards over every rank, ``n`` shards within
+        groups of ``n`` ranks and replicates across them (capped at the world size),
+        ``"auto"`` picks by parameter count as upstream (under 10 B: 1, under 80 B: 8,
+        else every rank)."""
+        if shard_size is None and reshard_after_forward is None:
+            yield
+            return
+        if reshard_after_forward is None:
+            reshard_after_forward = self.config.fsdp_reshard_after_forward
+        self._layout = (shard_size, reshard_after_forward)
+        try:
+            yield
+        finally:
+            self._layout = None
+
+    def _mesh_for(self, shard_size: int | str, model: nn.Module) -> Any:
+        world = self.world_size
+        size = shard_size
+        if size == "auto":
+            params = sum(p.numel() for p in model.parameters())
+            size = 1 if params < 10e9 else 8 if params < 80e9 else -1
+        if not isinstance(size, int) or isinstance(size, bool) or size == 0 or size < -1:
+            raise ValueError(
+                f"prepare_model: shard_size={shard_size!r} is not a shard group size; pass "
+                "a positive number of ranks, -1 for every rank, or 'auto'"
+            )
+        size = world if size == -1 else min(size, world)
+        if world % size:
+            raise ValueError(
+                f"prepare_model: shard_size={shard_size!r} does not divide the world size "
+                f"{world}; pass a divisor of {world} or -1 for every rank"
+            )
+        if size not in self._meshes:  # collective: every rank prepares the same models
+            self._meshes[size] = build_mesh(world, size, self.device.type)
+        return self._meshes[size]
 
     # -- wrapping ------------------------------------------------------------------------
     def _shard(self, model: nn.Module) -> nn.Module:
@@ -75,6 +119,8 @@ class FSDP2Strategy(StrategyBase):
             return model
         if self.mesh is None:
             raise RuntimeError("call strategy.setup_distributed() before preparing models")
+        shard_size, reshard = self._layout or (None, self.config.fsdp_reshard_after_forward)
+        mesh = self.mesh if shard_size is None else self._mesh_for(shard_size, model)
         # Built under init_model_context(meta_init=True) on some rank? Every rank prepares
         # the same models in the same order, so this agreement is one small collective.
         on_meta = any(p.is_meta for p in model.parameters())
@@ -84,10 +130,10 @@ class FSDP2Strategy(StrategyBase):
             rank0_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
         shard_model(
             model,
-            mesh=self.mesh,
+            mesh=mesh,
             precision=self.config.resolved_precision,
             cpu_offload=self.config.fsdp_cpu_offload,
-            reshard_after_forward=self.config.fsdp_reshard_after_forward,
+            reshard_after_forward=reshard,
             class_names=self.config.fsdp_wrap_modules,
         )
         if from_rank0:
@@ -177,12 +223,9 @@ class FSDP2Strategy(StrategyBase):
         for name, param in model.named_parameters():
             yield name, param.full_tensor() if isinstance(param, DTensor) else param.detach()
 
-    def moving_average(
-        self, model: nn.Module, model_ema: nn.Module, beta: float = 0.992, device: str = "cpu"
-    ) -> None:
+    def _update_ema(self, model: nn.Module, model_ema: nn.Module, beta: float) -> None:
         """EMA on matching shards when both models are sharded alike, else on full
         tensors gathered from the sharded model."""
-        self._require_setup("moving_average")
         ema_params = dict(model_ema.named_parameters())
         with torch.no_grad():
             for name, param in model.named_parameters():
