@@ -36,8 +36,7 @@ from . import workers
 
 @pytest.fixture
 def fsdp2() -> Iterator[StrategyBase]:
-    strategy = get_strategy(workers.config())
-    strategy.setup_distributed()
+    strategy = get_strategy(workers.config())  # ready when built
     yield strategy
     strategy.close()
 

@@ -114,7 +114,6 @@ def test_training_matches_a_plain_torch_loop_with_accumulation_and_clipping() ->
 
 def test_a_nonfinite_step_is_skipped_like_on_every_backend() -> None:
     strategy = FakeStrategy(train_batch_size=1, lr_scheduler="linear", lr_warmup_ratio=0.0)
-    strategy.setup_distributed()
     (model, optim, sched), *_ = strategy.prepare_models_and_optimizers(
         nn.Linear(2, 1), None, None, None, max_steps=5
     )
@@ -128,7 +127,6 @@ def test_a_nonfinite_step_is_skipped_like_on_every_backend() -> None:
 
 def test_collectives_return_what_a_world_of_one_returns() -> None:
     strategy = get_fake_strategy()
-    strategy.setup_distributed()
     assert strategy.all_reduce(3) == 3.0 and strategy.all_reduce(3, "sum") == 3
     assert strategy.all_reduce({"a": torch.tensor([1.0])})["a"].tolist() == [1.0]
     assert strategy.all_gather(2) == [2]
@@ -140,7 +138,6 @@ def test_checkpoints_resume_exactly_and_refuse_what_does_not_fit(tmp_path: Path)
     def run(steps: int, load: bool, save: bool) -> tuple[list[float], dict[str, torch.Tensor]]:
         strategy = FakeStrategy(seed=1, train_batch_size=4, micro_train_batch_size=4,
                                 lr_warmup_ratio=0.5)  # fmt: skip
-        strategy.setup_distributed()
         torch.manual_seed(1)
         (model, optim, sched), *_ = strategy.prepare_models_and_optimizers(
             Net(), None, None, None, max_steps=6
@@ -171,7 +168,6 @@ def test_checkpoints_resume_exactly_and_refuse_what_does_not_fit(tmp_path: Path)
     assert metadata["backend"] == "fake" and metadata["world_size"] == 1
 
     other = FakeStrategy()
-    other.setup_distributed()
     with pytest.raises(CheckpointError, match=r"does not fit this model \(Linear\)"):
         other.load_ckpt(nn.Linear(3, 3), tmp_path, load_optimizer_states=False)
 
@@ -180,7 +176,6 @@ def test_save_model_writes_the_hf_format(tmp_path: Path) -> None:
     from safetensors.torch import load_file
 
     strategy = get_fake_strategy()
-    strategy.setup_distributed()
     model = Net()
     strategy.save_model(model, None, tmp_path / "export")
     saved = load_file(tmp_path / "export" / "model.safetensors")
@@ -189,7 +184,6 @@ def test_save_model_writes_the_hf_format(tmp_path: Path) -> None:
 
 def test_engine_calls_work_with_the_fake_engine() -> None:
     strategy = get_fake_strategy(enable_engine_sleep=True, engine_sleep_level=2)
-    strategy.setup_distributed()
     model = Net()
     engine = strategy.setup_inference_engine(FakeEngine())
     strategy.update_engine_weights(model)
