@@ -135,6 +135,7 @@ def test_prepare_model_takes_upstream_shard_size_and_reshard_arguments() -> None
     # shard groups of one rank: replicated, every rank holds the whole tensor
     assert layouts["replicated"]["mesh"] == (2, 1) and layouts["replicated"]["local"] == head
     assert layouts["auto"] == layouts["replicated"]  # under 10 B parameters, as upstream
+    assert layouts["auto_training"]["mesh"] == (2,)  # trained models shard over every rank
     assert layouts["default"]["block_sharded_after_forward"] is True
     assert layouts["keep_gathered"]["block_sharded_after_forward"] is False
     errors = ranks[1]["errors"]

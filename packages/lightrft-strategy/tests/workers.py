@@ -611,6 +611,7 @@ def layout_case(cfg: dict[str, Any]) -> dict[str, Any]:
         ("default", {}),
         ("replicated", {"shard_size": 1}),
         ("auto", {"shard_size": "auto"}),
+        ("auto_training", {"shard_size": "auto", "is_training": True}),
         ("every_rank", {"shard_size": -1}),
         ("capped", {"shard_size": 8}),
         ("keep_gathered", {"reshard_after_forward": False}),

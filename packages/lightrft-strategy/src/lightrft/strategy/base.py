@@ -423,6 +423,8 @@ class StrategyBase(InferenceEngineCalls, metaclass=ReadyOnConstruction):
         self._require_setup("prepare_model")
         if model is None:
             return model
+        if shard_size == "auto" and is_training:  # upstream: trained models shard fully
+            shard_size = -1
         with self._model_layout(shard_size, reshard_after_forward):
             if is_training:
                 return self._prepare_train_model(model)

@@ -79,8 +79,8 @@ class FSDP2Strategy(StrategyBase):
         """``prepare_model(shard_size=..., reshard_after_forward=...)``: upstream's
         values: -1 (or the world size) shards over every rank, ``n`` shards within
         groups of ``n`` ranks and replicates across them (capped at the world size),
-        ``"auto"`` picks by parameter count as upstream (under 10 B: 1, under 80 B: 8,
-        else every rank)."""
+        ``"auto"`` is upstream's rule: every rank for a model prepared for training,
+        else by parameter count (under 10 B: 1, under 80 B: 8, else every rank)."""
         if shard_size is None and reshard_after_forward is None:
             yield
             return
