@@ -154,7 +154,8 @@ def packages(session: nox.Session) -> None:
     """Build every distribution with `uv build --package`, then install each wheel alone
     into a clean environment with no workspace sources and import it.
 
-    A dependency a package uses but does not declare fails here, not at a user.
+    A dependency a package uses but does not declare fails here, not at a user; so does
+    one it declares but never imports (tools/check_declared_imports.py).
     Sibling packages come from the wheels just built (they are not on PyPI yet).
     """
     dist = Path(session.create_tmp()) / "dist"
@@ -184,6 +185,9 @@ def packages(session: nox.Session) -> None:
             python, str(ROOT / "tools" / "check_installed_package.py"), package, module,
             external=True,
         )  # fmt: skip
+        session.run(
+            python, str(ROOT / "tools" / "check_declared_imports.py"), package, external=True
+        )
 
 
 @nox.session(python=DEFAULT_PYTHON)

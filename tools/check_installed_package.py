@@ -86,6 +86,24 @@ def smoke_train_and_checkpoint() -> None:
             raise SystemExit(f"the missing-extra error does not name the extra: {exc}") from exc
     else:
         raise SystemExit("backend='deepspeed' built a strategy without deepspeed installed")
+    # without lightrft-testing there is no `fake` backend, and the errors say where it is
+    from lightrft.config import ConfigError
+    from lightrft.strategy import get_fake_strategy
+
+    try:
+        get_fake_strategy()
+    except ImportError as exc:
+        if "pip install lightrft-testing" not in str(exc):
+            raise SystemExit(f"get_fake_strategy's error does not name its package: {exc}") from exc
+    else:
+        raise SystemExit("get_fake_strategy() worked without lightrft-testing installed")
+    try:
+        get_strategy({"backend": "fake"})
+    except ConfigError as exc:
+        if "lightrft-testing" not in str(exc):
+            raise SystemExit(f"backend='fake' error does not name lightrft-testing: {exc}") from exc
+    else:
+        raise SystemExit("backend='fake' built a strategy without lightrft-testing installed")
 
 
 def smoke_fake_strategy() -> None:
@@ -94,8 +112,10 @@ def smoke_fake_strategy() -> None:
 
     import torch
 
-    from lightrft.strategy import get_fake_strategy
+    from lightrft.strategy import get_fake_strategy, get_strategy
 
+    # `fake` reaches get_strategy through lightrft-testing's entry point
+    assert type(get_strategy({"backend": "fake"})).__name__ == "FakeStrategy"
     with tempfile.TemporaryDirectory() as tmp:
         strategy = get_fake_strategy()
         strategy.setup_distributed()

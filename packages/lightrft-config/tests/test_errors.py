@@ -47,7 +47,7 @@ BAD_INPUTS: list[tuple[dict[str, Any], list[str]]] = [
     ({"device": "cpus"}, ["device='cpus'", "did you mean 'cpu'"]),
     (
         {"backend": "megatron"},
-        ["backend='megatron'", "deepspeed, fsdp2, fake", "lightrft.strategies"],
+        ["backend='megatron'", "deepspeed, fsdp2", "lightrft.strategies", "lightrft-testing"],
     ),
     ({"engine_mem_util": 1.5}, ["engine_mem_util=1.5", "> 0 and <= 1"]),
     ({"engine_mem_util": 0}, ["engine_mem_util=0", "> 0 and <= 1"]),

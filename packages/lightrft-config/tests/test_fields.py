@@ -109,7 +109,6 @@ def test_list_betas_become_a_tuple() -> None:
         ({"backend": "fsdp"}, "fsdp2"),
         ({"backend": "FSDP2"}, "fsdp2"),
         ({"backend": "deepspeed"}, "deepspeed"),
-        ({"backend": "fake", "fsdp": True}, "fake"),
     ],
 )
 def test_resolved_backend(kwargs: dict[str, object], backend: str) -> None:

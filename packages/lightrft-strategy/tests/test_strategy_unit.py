@@ -91,7 +91,11 @@ def test_default_backend_is_deepspeed_or_an_error_naming_its_extra() -> None:
 
 def test_a_backend_missing_its_library_names_the_extra() -> None:
     register_backend("needs_lib", "library_that_is_not_installed.mod:Strategy")
-    with pytest.raises(ImportError, match=r"missing module 'library_that_is_not_installed'"):
+    with pytest.raises(
+        ImportError,
+        match=r"registered as 'library_that_is_not_installed.mod:Strategy', but module "
+        r"'library_that_is_not_installed' cannot be imported; install the distribution",
+    ):  # a run-time registration names no distribution: no made-up `pip install`
         get_backend("needs_lib")
 
 
@@ -101,13 +105,21 @@ def test_get_fake_strategy_comes_from_lightrft_testing_or_names_it() -> None:
 
     strategy = strategy_pkg.get_fake_strategy(seed=4)
     assert type(strategy).__name__ == "FakeStrategy" and strategy.config.seed == 4
+    # lightrft-testing registers `fake` by entry point; lightrft.strategy imports no
+    # lightrft.testing module of its own accord
+    from importlib.metadata import entry_points
+
+    (fake,) = entry_points(group="lightrft.strategies", name="fake")
+    assert fake.dist is not None and fake.dist.name == "lightrft-testing"
+    source = Path(strategy_pkg.__file__).parent
+    assert not [p for p in source.rglob("*.py") if "lightrft.testing" in p.read_text()]
     hidden = (
         "import sys; sys.modules['lightrft.testing'] = None\n"
         "import lightrft.strategy as s\n"
         "try:\n    s.get_fake_strategy()\nexcept ImportError as exc:\n    print(exc)\n"
     )
     out = subprocess.run([sys.executable, "-c", hidden], capture_output=True, text=True)
-    assert "get_fake_strategy lives in the lightrft-testing distribution" in out.stdout
+    assert "backend 'fake' needs lightrft-testing" in out.stdout, out.stdout + out.stderr
 
 
 def test_unknown_backend_lists_the_valid_ones() -> None:

@@ -9,8 +9,10 @@ from __future__ import annotations
 #: The entry-point group third-party backends register under.
 ENTRY_POINT_GROUP = "lightrft.strategies"
 
-#: Backends that ship with lightrft-strategy (and lightrft-testing for ``fake``).
-BUILTIN_BACKENDS: tuple[str, ...] = ("deepspeed", "fsdp2", "fake")
+#: Backends that ship with lightrft-strategy: the one list of built-in names (the
+#: strategy registry maps exactly these to classes). Every other backend, lightrft-testing's
+#: ``fake`` included, registers under :data:`ENTRY_POINT_GROUP`.
+BUILTIN_BACKENDS: tuple[str, ...] = ("deepspeed", "fsdp2")
 
 #: Other spellings accepted for a built-in backend.
 BACKEND_ALIASES: dict[str, str] = {"fsdp": "fsdp2", "ds": "deepspeed"}

@@ -201,8 +201,9 @@ class StrategyConfig(BaseModel):
     # -- new: backend and device ---------------------------------------------------
     backend: str | None = Field(
         None,
-        description="(new) Training backend: deepspeed, fsdp2 (alias fsdp), fake or a registered "
-        "third-party name; None chooses by `fsdp` as upstream did.",
+        description="(new) Training backend: deepspeed, fsdp2 (alias fsdp), or a name registered "
+        "under the lightrft.strategies entry points (fake, from lightrft-testing); None chooses "
+        "by `fsdp` as upstream did.",
         json_schema_extra={"accepted": "null or a known backend name"},
     )
     device: Literal["auto", "cpu", "cuda"] = Field(
@@ -308,8 +309,9 @@ class StrategyConfig(BaseModel):
         if name not in known_backend_names():
             raise PydanticCustomError(
                 "unknown_backend",
-                "unknown backend; choose one of {choices} (third-party backends register "
-                "under the 'lightrft.strategies' entry-point group)",
+                "unknown backend; choose one of {choices} (other backends register under "
+                "the 'lightrft.strategies' entry-point group: 'fake' comes with "
+                "lightrft-testing)",
                 {"choices": ", ".join(known_backend_names())},
             )
         return name

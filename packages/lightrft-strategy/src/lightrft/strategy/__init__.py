@@ -33,16 +33,16 @@ from lightrft.strategy.registry import (
 def get_fake_strategy(
     args: Any = None, *, defer_setup: bool = False, **overrides: Any
 ) -> StrategyBase:
-    """A ready single-process :class:`FakeStrategy` for tests (from lightrft-testing)."""
+    """A ready single-process ``FakeStrategy`` for tests: the backend registered as
+    ``fake`` (by lightrft-testing, through the ``lightrft.strategies`` entry points)."""
     try:
-        from lightrft.testing import get_fake_strategy as factory
-    except ImportError as exc:
+        cls = get_backend("fake")
+    except UnknownBackendError as exc:
         raise ImportError(
-            "get_fake_strategy lives in the lightrft-testing distribution: "
-            f"pip install lightrft-testing ({exc})"
+            "get_fake_strategy needs the 'fake' backend, which the lightrft-testing "
+            "distribution registers: pip install lightrft-testing"
         ) from exc
-    strategy: StrategyBase = factory(args, defer_setup=defer_setup, **overrides)
-    return strategy
+    return cls(args=args, defer_setup=defer_setup, **overrides)
 
 
 def __getattr__(name: str) -> Any:

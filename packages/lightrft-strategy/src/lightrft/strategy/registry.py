@@ -12,22 +12,27 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 from lightrft.config import ENTRY_POINT_GROUP, StrategyConfig
-from lightrft.config.backends import canonical_backend_name
+from lightrft.config.backends import BUILTIN_BACKENDS, canonical_backend_name
 
 if TYPE_CHECKING:
     from lightrft.strategy.base import StrategyBase
 
 logger = logging.getLogger(__name__)
 
-#: name -> ("module:Class", the distribution/extra that provides it)
+#: Where each of lightrft-config's ``BUILTIN_BACKENDS`` lives:
+#: name -> ("module:Class", the distribution/extra that provides it).
 BUILTIN: dict[str, tuple[str, str]] = {
     "fsdp2": ("lightrft.strategy.fsdp2:FSDP2Strategy", "lightrft-strategy"),
     "deepspeed": (
         "lightrft.strategy.deepspeed.strategy:DeepspeedStrategy",
         "lightrft-strategy[deepspeed]",
     ),
-    "fake": ("lightrft.testing:FakeStrategy", "lightrft-testing"),
 }
+if set(BUILTIN) != set(BUILTIN_BACKENDS):  # pragma: no cover - a packaging mistake
+    raise ImportError(
+        f"lightrft-strategy maps backends {sorted(BUILTIN)} but lightrft-config names "
+        f"{sorted(BUILTIN_BACKENDS)} as built in; install matching versions of both"
+    )
 _registered: dict[str, Any] = {}
 
 
@@ -52,15 +57,18 @@ def available_backends() -> list[str]:
     return sorted(names)
 
 
-def _load(target: str, provider: str, name: str) -> type[StrategyBase]:
+def _load(target: str, provider: str | None, name: str) -> type[StrategyBase]:
+    """Import ``"module:Class"``. ``provider`` is the distribution (or extra) that ships
+    it, None for a name given to :func:`register_backend` at run time."""
     module_name, _, attr = target.partition(":")
     try:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as exc:
-        if exc.name == module_name and module_name.startswith("lightrft.strategy."):
+        if provider is None:
             raise ImportError(
-                f"backend {name!r} is not implemented in this version of lightrft-strategy; "
-                f"available: {', '.join(available_backends())}"
+                f"backend {name!r} was registered as {target!r}, but module {exc.name!r} "
+                "cannot be imported; install the distribution that provides it, or register "
+                "the backend under an importable path"
             ) from exc
         raise ImportError(
             f"backend {name!r} needs {provider} (missing module {exc.name!r}); "
@@ -69,9 +77,8 @@ def _load(target: str, provider: str, name: str) -> type[StrategyBase]:
     try:
         cls: type[StrategyBase] = getattr(module, attr)
     except AttributeError:
-        raise ImportError(
-            f"backend {name!r}: {module_name} has no {attr}; upgrade {provider}"
-        ) from None
+        fix = f"upgrade {provider}" if provider else "fix the registration"
+        raise ImportError(f"backend {name!r}: {module_name} has no {attr}; {fix}") from None
     return cls
 
 
@@ -82,7 +89,7 @@ def get_backend(name: str) -> type[StrategyBase]:
     key = canonical_backend_name(name)
     if key in _registered:
         found = _registered[key]
-        return _load(found, found, key) if isinstance(found, str) else found
+        return _load(found, None, key) if isinstance(found, str) else found
     if key in BUILTIN:
         return _load(*BUILTIN[key], key)
     for ep in entry_points(group=ENTRY_POINT_GROUP, name=key):
