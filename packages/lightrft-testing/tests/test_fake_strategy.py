@@ -77,9 +77,10 @@ def test_selected_by_configuration_and_constructed_as_upstream() -> None:
 
 
 def test_training_matches_a_plain_torch_loop_with_accumulation_and_clipping() -> None:
+    """In fp32 (bf16, the default, is checked against FSDP2 below)."""
     strategy = FakeStrategy(seed=0, max_norm=0.2, micro_train_batch_size=4, train_batch_size=8,
                             actor_learning_rate=1e-2, lr_warmup_ratio=0.0, l2=0.0,
-                            lr_scheduler="constant_with_warmup")  # fmt: skip
+                            lr_scheduler="constant_with_warmup", precision="fp32")  # fmt: skip
     strategy.setup_distributed()
     assert strategy.accumulated_gradient == 2
     torch.manual_seed(0)
@@ -127,7 +128,12 @@ def test_a_nonfinite_step_is_skipped_like_on_every_backend() -> None:
 
 def test_collectives_return_what_a_world_of_one_returns() -> None:
     strategy = get_fake_strategy()
-    assert strategy.all_reduce(3) == 3.0 and strategy.all_reduce(3, "sum") == 3
+    # an int stays an int under sum/max/min; a mean is a float
+    for op, expected in [("mean", 3.0), ("sum", 3), ("max", 3), ("min", 3)]:
+        out = strategy.all_reduce(3, op)
+        assert out == expected and type(out) is type(expected), (op, out)
+    assert type(strategy.all_reduce(3)) is float  # the default op is mean
+    assert type(strategy.all_reduce(2.0, "sum")) is float
     assert strategy.all_reduce({"a": torch.tensor([1.0])})["a"].tolist() == [1.0]
     assert strategy.all_gather(2) == [2]
     assert strategy.all_gather(torch.ones(2, 3)).shape == (2, 3)
@@ -226,3 +232,38 @@ def test_moving_average_updates_once_per_optimizer_step_as_upstream_trainers_cal
         torch.testing.assert_close(value, expected[name])
     frozen, copy = nn.Linear(4, 1), nn.Linear(4, 1)  # never stepped: every call updates
     assert strategy.moving_average(frozen, copy, 0.5) and strategy.moving_average(frozen, copy)
+
+
+def _train_losses(backend: str, precision: str) -> tuple[list[float], dict[str, torch.Tensor]]:
+    strategy = get_strategy({"backend": backend, "precision": precision, "device": "cpu",
+                             "seed": 0, "micro_train_batch_size": 4, "train_batch_size": 8,
+                             "actor_learning_rate": 1e-2, "max_norm": 0.5})  # fmt: skip
+    torch.manual_seed(0)
+    (actor, optim, sched), *_ = strategy.prepare_models_and_optimizers(Net(), None, None, None,
+                                                                       max_steps=6)  # fmt: skip
+    x, y = _data()
+    losses = []
+    for i in range(8):
+        batch = slice(4 * i, 4 * i + 4)
+        loss = nn.functional.mse_loss(actor(x[batch]).float(), y[batch])
+        strategy.backward(loss, actor, optim)
+        strategy.optimizer_step(optim, actor, sched)
+        losses.append(loss.item())
+    state = strategy.full_state_dict(actor)
+    strategy.close()
+    return losses, state
+
+
+def test_the_fake_computes_in_the_configured_precision_as_fsdp2_does() -> None:
+    """bf16 (the default): bf16 forward, fp32 master weights, as FSDP2 on one rank."""
+    fake, fake_state = _train_losses("fake", "bf16")
+    fsdp2, fsdp2_state = _train_losses("fsdp2", "bf16")
+    fp32, _ = _train_losses("fake", "fp32")
+    assert fake != fp32, "the fake computed bf16 in fp32"
+    torch.testing.assert_close(fake, fsdp2, rtol=1e-2, atol=1e-3)
+    gap_to_fp32 = max(abs(a - b) for a, b in zip(fake, fp32, strict=True))
+    gap_to_fsdp2 = max(abs(a - b) for a, b in zip(fake, fsdp2, strict=True))
+    assert gap_to_fsdp2 < gap_to_fp32, (gap_to_fsdp2, gap_to_fp32)
+    for name, value in fake_state.items():
+        assert value.dtype == torch.float32, name  # masters stay fp32
+        torch.testing.assert_close(value, fsdp2_state[name], rtol=2e-2, atol=2e-3)

@@ -1,14 +1,20 @@
 """`FakeStrategy`: the whole `StrategyBase` interface in one process, for tests.
 
-It is the real base class with the thinnest backend: models are not wrapped or
-sharded, so everything the base class defines (accumulation, clipping, non-finite
-skipping, schedules, collectives, the resumable loader, the checkpoint layout,
-rotation, resume, HF export, engine calls) behaves exactly as on FSDP2 or DeepSpeed at
-world size 1.
+It is the real base class with the thinnest backend: models are not sharded, so
+everything the base class defines (accumulation, clipping, non-finite skipping,
+schedules, collectives, the resumable loader, the checkpoint layout, rotation, resume,
+HF export, engine calls) behaves as on FSDP2 or DeepSpeed at world size 1. Prepared
+models compute in the configured precision as FSDP2 does (``bf16=True``, the default:
+bf16 forward with fp32 master weights and fp32 gradients; see
+:mod:`lightrft.testing.mixed_precision`); ``precision="fp32"`` (or ``bf16=False``)
+trains in fp32.
 
 Where it differs from the real backends:
 
 * it runs on the CPU unless ``device="cuda"`` is set (``auto`` means CPU here);
+* prepared models in bf16/fp16 are wrapped (``.module`` is the model) rather than
+  converted in place; bf16 runs agree with FSDP2's closely, not bit for bit (where
+  and in which dtype gradients are accumulated differs);
 * it never creates a process group and ignores torchrun/SLURM variables: the world is
   always one rank (collectives return what a world-size-1 run returns);
 * ``init_model_context(meta_init=True)`` builds normally (there is no other rank to
@@ -34,6 +40,7 @@ from lightrft.strategy import distributed as _distributed
 from lightrft.strategy.base import Triple
 from lightrft.strategy.checkpoint.layout import CheckpointError
 from lightrft.strategy.checkpoint.safe_io import load_plain, save_plain
+from lightrft.testing.mixed_precision import with_compute_precision
 
 
 class FakeStrategy(StrategyBase):
@@ -72,15 +79,18 @@ class FakeStrategy(StrategyBase):
         self._finish_setup()
 
     # -- wrapping: none ------------------------------------------------------------------
+    def _wrap(self, model: nn.Module) -> nn.Module:
+        """On the device, computing in the configured precision (fp32 masters)."""
+        return with_compute_precision(model.to(self.device), self.config.resolved_precision)
+
     def _prepare_train(self, model: nn.Module, optimizer: Any, scheduler: Any) -> Triple:
-        return model.to(self.device), optimizer, scheduler
+        return self._wrap(model), optimizer, scheduler
 
     def _prepare_train_model(self, model: nn.Module) -> nn.Module:
-        return model.to(self.device)
+        return self._wrap(model)
 
     def _prepare_eval(self, model: nn.Module) -> nn.Module:
-        model.to(self.device).eval()
-        return model
+        return self._wrap(model).eval()
 
     @contextlib.contextmanager
     def init_model_context(self, meta_init: bool = False) -> Iterator[None]:
