@@ -1,7 +1,44 @@
-"""`StrategyConfig`: every setting a LightRFT training strategy reads, typed and checked.
+"""`StrategyConfig`: the settings of a LightRFT training strategy, typed and checked.
 
 Field names and defaults are upstream LightRFT's, so an existing argparse namespace
 converts unchanged; fields upstream lacked are marked "(new)" in their descriptions.
+
+Which fields are read, and where (modules of ``lightrft.strategy`` unless named):
+
+* this module: ``validate_world_size`` / ``gradient_accumulation_steps`` (train_batch_size,
+  micro_train_batch_size, sp_size, engine_tp_size, zpg, fsdp_shard_size);
+  ``resolved_backend`` (backend, fsdp), ``resolved_precision`` (precision, bf16),
+  ``sleep_level`` (enable_engine_sleep, engine_sleep_level).
+* ``registry``: the backend to build (``resolved_backend``).
+* ``base`` (every backend): seed, device, max_norm, micro_train_batch_size, sp_size,
+  actor_learning_rate, critic_learning_rate, adam_betas, l2, adam_offload; it mirrors
+  train_batch_size, bf16, zpg, grad_accum_dtype, overlap_comm and engine_type as
+  upstream's read-only strategy attributes.
+* ``optim``: lr_scheduler, lr_warmup_ratio, min_lr_ratio.
+* ``rollout``: engine_tp_size, ``sleep_level``.
+* ``checkpoint.manager``: max_ckpt_num, max_ckpt_mem.
+* ``deepspeed`` (``strategy``, ``ds_config``): zero_stage, precision/bf16, max_norm,
+  micro_train_batch_size, train_batch_size, sp_size, zpg, overlap_comm,
+  grad_accum_dtype, adam_offload, deepspeed_config.
+* ``fsdp2``: precision/bf16, fsdp_shard_size, fsdp_wrap_modules,
+  fsdp_reshard_after_forward, fsdp_cpu_offload.
+* ``lightrft.testing``: ``FakeStrategy`` reads device (and the base's fields),
+  ``spec_examples`` bf16.
+
+Read by no code yet: engine_mem_util and engine_max_model_len (new, for the engine
+adapters of lightrft-engines, issue 11); engine_type is only mirrored, no engine is
+chosen by it. Kept only so that upstream callers' namespaces convert unchanged (no code
+here reads them; a training loop may): local_rank (the launcher's LOCAL_RANK or
+SLURM_LOCALID is used), critic_pretrain, remote_rm_url, pretrain_data,
+fused_linear_logprob, reward_running_norm, reward_running_norm_minus_mean,
+advantages_norm, advantage_clip, reward_clip, micro_rollout_batch_size,
+n_samples_per_prompt, overlong_buffer, overlong_buffer_len,
+overlong_buffer_penalty_factor, dynamic_sampling, advantage_estimator, use_kl_loss,
+kl_estimator, mixed_mm_data, use_mp_opt, plot_every, use_tensorboard.
+
+Checks that need no world size run at construction (and on assignment), those of
+DeepSpeed only when it is the backend in force; :meth:`StrategyConfig.validate_world_size`
+holds the rest.
 """
 
 from __future__ import annotations
@@ -80,6 +117,18 @@ def _json_or_path(value: Any) -> Any:
 JsonOrPath = Annotated[dict[str, Any] | str, BeforeValidator(_json_or_path)]
 
 
+_MISSING = object()
+
+
+def _dotted(tree: dict[str, Any], dotted: str) -> Any:
+    node: Any = tree
+    for part in dotted.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return _MISSING
+        node = node[part]
+    return node
+
+
 def _cross_field(messages: list[str]) -> PydanticCustomError:
     # One pydantic error carrying every message; errors.py lists them one by one.
     return PydanticCustomError(
@@ -115,7 +164,9 @@ class StrategyConfig(BaseModel):
     fsdp_cpu_offload: bool = Field(False, description="FSDP2: offload parameters to CPU.")
 
     # -- distributed ---------------------------------------------------------------
-    adam_offload: bool = Field(False, description="Keep optimizer state on the CPU.")
+    adam_offload: bool = Field(
+        False, description="Keep optimizer state on the CPU (DeepSpeed: needs zero_stage >= 1)."
+    )
     zpg: Int = Field(1, gt=0, description="DeepSpeed ZeRO++ hierarchical partition size.")
     grad_accum_dtype: Literal["fp32", "bf16", "fp16"] | None = Field(
         None, description="Dtype of gradient accumulation buffers (None: the backend default)."
@@ -125,7 +176,10 @@ class StrategyConfig(BaseModel):
         None,
         description="(new) DeepSpeed settings overlaid on the generated train/eval configs: "
         "a mapping, JSON text or a path to a JSON file. Keys the strategy derives (batch "
-        "sizes, accumulation, clipping, ZeRO stage, precision) must agree with it.",
+        "sizes, accumulation, clipping, ZeRO stage, precision) must agree with it, and "
+        "'optimizer'/'scheduler' sections are refused. A mapping or JSON text is checked "
+        "at construction; a file, and the accumulation steps (they need the world size), "
+        "when the strategy is set up.",
         json_schema_extra={"accepted": "null, a mapping, JSON object text or a .json path"},
     )
 
@@ -137,7 +191,13 @@ class StrategyConfig(BaseModel):
     enable_engine_sleep: bool = Field(
         False, description="Let the engine release memory (sleep) between rollouts."
     )
-    local_rank: Int = Field(-1, ge=-1, description="Local rank (-1: read from the environment).")
+    local_rank: Int = Field(
+        -1,
+        ge=-1,
+        description="Upstream's local rank; not read: a strategy takes the local rank from "
+        "the launcher's environment (LOCAL_RANK under torchrun, SLURM_LOCALID under SLURM; "
+        "0 without either).",
+    )
     sp_size: Int = Field(1, gt=0, description="Sequence-parallel size.")
 
     # -- optimiser -----------------------------------------------------------------
@@ -288,9 +348,16 @@ class StrategyConfig(BaseModel):
             raise from_validation_error(exc, type(self), data) from None
 
     def __setattr__(self, name: str, value: Any) -> None:
+        # pydantic stores the new value before the cross-field (model "after") checks
+        # run; put the old state back when they refuse it.
+        before, fields_set = dict(self.__dict__), set(self.__pydantic_fields_set__)
         try:
             super().__setattr__(name, value)
         except ValidationError as exc:
+            self.__dict__.clear()
+            self.__dict__.update(before)
+            self.__pydantic_fields_set__.clear()
+            self.__pydantic_fields_set__.update(fields_set)
             raise from_validation_error(exc, type(self), {name: value}) from None
 
     @field_validator("plot_every")
@@ -358,9 +425,79 @@ class StrategyConfig(BaseModel):
                 f"engine_sleep_level={self.engine_sleep_level} needs enable_engine_sleep=True; "
                 "enable sleep or leave engine_sleep_level unset"
             )
+        if self.resolved_backend == "deepspeed":
+            problems.extend(self._deepspeed_problems())
         if problems:
             raise _cross_field(problems)
         return self
+
+    def _deepspeed_problems(self) -> list[str]:
+        # The checks lightrft.strategy.deepspeed.ds_config makes at setup that need no world
+        # size, with the same text; ds_config keeps them (a file overlay is read only there).
+        problems: list[str] = []
+        if self.adam_offload and self.zero_stage == 0:
+            problems.append(
+                str(
+                    ConfigProblem(
+                        "adam_offload",
+                        True,
+                        "needs ZeRO stage 1, 2 or 3 with the DeepSpeed backend (zero_stage=0)",
+                        "adam_offload=False, or zero_stage >= 1",
+                    )
+                )
+            )
+        overlay = self.deepspeed_config
+        if not isinstance(overlay, dict):  # None, or a file read when the strategy is set up
+            return problems
+        for section in ("optimizer", "scheduler"):
+            if section in overlay:
+                problems.append(
+                    str(
+                        ConfigProblem(
+                            "deepspeed_config",
+                            {section: overlay[section]},
+                            f"sets a DeepSpeed {section!r} section; the strategy builds the "
+                            f"{section} (create_optimizer / create_scheduler, or pass your own "
+                            "to prepare)",
+                            f"a config without {section!r}",
+                        )
+                    )
+                )
+        precision = self.resolved_precision
+        derived: dict[str, tuple[Any, str]] = {
+            "train_micro_batch_size_per_gpu": (
+                self.micro_train_batch_size,
+                "set micro_train_batch_size instead",
+            ),
+            # micro x accumulation x every rank = train_batch_size x sp_size at any world size
+            "train_batch_size": (
+                self.train_batch_size * self.sp_size,
+                f"it follows train_batch_size={self.train_batch_size} x sp_size={self.sp_size} "
+                "(DeepSpeed counts sequence-parallel ranks too); change those instead",
+            ),
+            "gradient_clipping": (
+                self.max_norm if self.max_norm > 0 else 0.0,
+                "set max_norm instead (<= 0 disables clipping)",
+            ),
+            "zero_optimization.stage": (self.zero_stage, "set zero_stage instead"),
+            "bf16.enabled": (precision == "bf16", "set precision instead"),
+            "fp16.enabled": (precision == "fp16", "set precision instead"),
+        }
+        for key, (expected, fix) in derived.items():
+            given = _dotted(overlay, key)
+            if given is _MISSING or given == expected:
+                continue
+            problems.append(
+                str(
+                    ConfigProblem(
+                        "deepspeed_config",
+                        {key: given},
+                        f"{key}={given!r} contradicts the strategy's {expected!r}; {fix}",
+                        f"drop {key!r} from the overlay, or set it to {expected!r}",
+                    )
+                )
+            )
+        return problems
 
     # -- derived values ----------------------------------------------------------------
     @property

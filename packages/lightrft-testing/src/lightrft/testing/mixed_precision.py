@@ -15,12 +15,7 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
-#: Compute dtype of each ``resolved_precision`` (None: compute in the parameters' dtype).
-COMPUTE_DTYPES: dict[str, torch.dtype | None] = {
-    "bf16": torch.bfloat16,
-    "fp16": torch.float16,
-    "fp32": None,
-}
+from lightrft.strategy.precision import compute_dtype
 
 
 def _cast(value: Any, dtype: torch.dtype) -> Any:
@@ -67,7 +62,7 @@ class LowPrecisionCompute(nn.Module):
 def with_compute_precision(module: nn.Module, precision: str) -> nn.Module:
     """``module`` wrapped to compute in ``precision`` ("bf16", "fp16"), or itself for
     "fp32" and for a module already wrapped."""
-    dtype = COMPUTE_DTYPES[precision]
+    dtype = compute_dtype(precision)
     if dtype is None or isinstance(module, LowPrecisionCompute):
         return module
     return LowPrecisionCompute(module, dtype)

@@ -1,11 +1,22 @@
 """save_ckpt / load_ckpt for every backend: the shared pieces around backend state.
 
-Inside a tag directory, besides what the backend writes:
+Inside a tag directory, besides what the backend writes (``save_backend_state``):
 
-    scheduler.pt        the LR scheduler's state (rank 0)
-    rng/rank<r>.pt      every rank's RNG state
-    dataloaders.json    the state of each loader from setup_dataloader, in order
-    client_state.pt     the caller's client_state (plain values only)
+    lightrft_checkpoint.json  metadata, written last by CheckpointDir.commit (rank 0;
+                              see :mod:`lightrft.strategy.checkpoint.layout`): format,
+                              tag, created_ns, sequence, backend, world_size,
+                              global_step, has_optimizer, has_scheduler, backend_info,
+                              versions and every other file's size
+    scheduler.pt              the LR scheduler's state (rank 0; only with a scheduler)
+    rng/rank<r>.pt            every rank's RNG state (restored only at the same world size)
+    dataloaders.json          the state of each loader from setup_dataloader, in order
+                              (rank 0)
+    steps.json                the model's step counters, global_steps and micro_steps
+                              (rank 0)
+    client_state.pt           the caller's client_state (plain values only; rank 0)
+
+``load_checkpoint(module_only=True)`` restores only the model's weights and returns
+``client_state``.
 """
 
 from __future__ import annotations

@@ -27,6 +27,7 @@ from lightrft.strategy.checkpoint.layout import METADATA_FILE, CheckpointError
 from lightrft.strategy.construction import BASE_PARAMETERS
 from lightrft.strategy.deepspeed import ds_config, safe_checkpoint
 from lightrft.strategy.optim import build_adamw
+from lightrft.strategy.precision import compute_dtype
 from lightrft.strategy.stepping import clip_and_check, record_skip
 
 logger = logging.getLogger(__name__)
@@ -48,8 +49,13 @@ class DeepspeedStrategy(StrategyBase):
     The DeepSpeed configs come from :meth:`get_ds_train_config` /
     :meth:`get_ds_eval_config` (see :mod:`lightrft.strategy.deepspeed.ds_config` for
     the mapping and the ``deepspeed_config`` overlay). Gradient accumulation, clipping,
-    non-finite skipping and scheduler stepping mean what they mean on every backend;
-    DeepSpeed performs them inside ``engine.step()``.
+    non-finite skipping and scheduler stepping mean what they mean on every backend.
+    DeepSpeed accumulates (its micro-step count follows the strategy's) and steps the
+    engine's scheduler inside ``engine.step()``. It also clips (``gradient_clipping`` =
+    ``max_norm``) and decides whether a step is skipped there, except at ZeRO stage 0 in
+    fp32, where it does neither: there the strategy clips itself before
+    ``engine.step()`` and makes DeepSpeed skip a step whose gradient norm is not finite
+    (see :meth:`optimizer_step`).
 
     Differences from FSDP2 that training code can see: ``prepare_model(m,
     is_training=True)`` returns ``m`` unchanged (DeepSpeed wraps a training model
@@ -168,7 +174,7 @@ class DeepspeedStrategy(StrategyBase):
         """In bf16/fp16, cast floating-point inputs to the compute dtype as FSDP2's
         mixed precision does (DeepSpeed casts the weights, not the inputs), so the
         same training code runs on both backends."""
-        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.config.resolved_precision)
+        dtype = compute_dtype(self.config.resolved_precision)
         if dtype is None or getattr(model, "_lightrft_casts_inputs", False):
             return
 
@@ -300,10 +306,20 @@ class DeepspeedStrategy(StrategyBase):
         name: str = "model",
         **kwargs: Any,
     ) -> bool:
-        """``engine.step()``; see :meth:`StrategyBase.optimizer_step` for the meaning.
+        """Count a micro-step and call ``engine.step()``; see
+        :meth:`StrategyBase.optimizer_step` for the meaning and the return value.
+
+        At ZeRO stage 0 in fp32 (the engine's ``gradient_clipping`` is 0 there), on the
+        accumulation boundary, the strategy clips the gradients to ``max_norm`` with
+        ``clip_and_check`` before ``engine.step()``; when the norm is not finite it drops
+        the gradients and sets the optimizer's ``overflow`` flag, so ``engine.step()``
+        skips the update. At every other stage and precision DeepSpeed clips and decides
+        the skip inside ``engine.step()``; the norm recorded is
+        ``engine.get_global_grad_norm()`` (NaN when it reports none). Either way a step
+        that ``engine.was_step_applied()`` denies is recorded as skipped.
 
         The engine steps the scheduler given to :meth:`prepare`; a ``scheduler``
-        passed here is stepped only when the engine has none.
+        passed here is stepped only when the engine has none, after an applied step.
         """
         self._require_setup("optimizer_step")
         engine = self._engine(model, "optimizer_step")

@@ -12,7 +12,7 @@ from torch.distributed.fsdp import (
     fully_shard,
 )
 
-_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": None}
+from lightrft.strategy.precision import compute_dtype
 
 
 def wrap_targets(model: nn.Module, class_names: list[str] | None) -> list[nn.Module]:
@@ -45,7 +45,7 @@ def build_mesh(world_size: int, shard_size: int | None, device_type: str) -> Dev
 
 def mixed_precision(precision: str) -> MixedPrecisionPolicy:
     """Compute in ``precision``; reduce gradients in fp32."""
-    param_dtype = _DTYPES[precision]
+    param_dtype = compute_dtype(precision)
     if param_dtype is None:
         return MixedPrecisionPolicy()
     return MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
