@@ -4,12 +4,15 @@ launch environment, optimizer groups, schedules, stepping semantics."""
 from __future__ import annotations
 
 import argparse
+import copy
+import gc
 import itertools
 import json
 import math
 import subprocess
 import sys
 import textwrap
+import weakref
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -27,6 +30,7 @@ from lightrft.strategy import (
     get_strategy,
     register_backend,
 )
+from lightrft.strategy import registry as backend_registry
 from lightrft.strategy.distributed import LaunchEnv
 from lightrft.strategy.fsdp2 import FSDP2Strategy
 from lightrft.strategy.optim import build_scheduler, parameter_groups
@@ -39,6 +43,15 @@ def fsdp2() -> Iterator[StrategyBase]:
     strategy = get_strategy(workers.config())  # ready when built
     yield strategy
     strategy.close()
+
+
+@pytest.fixture
+def own_registry(monkeypatch: pytest.MonkeyPatch) -> dict[str, object]:
+    """A copy of the run-time backend registry for the test; the original (without the
+    test's registrations) is put back afterwards."""
+    registered = dict(backend_registry._registered)
+    monkeypatch.setattr(backend_registry, "_registered", registered)
+    return registered
 
 
 def test_compatibility_imports() -> None:
@@ -76,6 +89,7 @@ def test_upstream_attribute_names_read_the_config() -> None:
     assert (strategy.zpg, strategy.overlap_comm, strategy.grad_accum_dtype) == (1, True, "fp32")
     assert strategy.engine_type == "hf"
     strategy.setup_distributed(None, 8)  # upstream's num_gpu_per_node: accepted, not needed
+    assert (strategy.world_size, strategy.accumulated_gradient) == (1, 4)
     strategy.close()
 
 
@@ -89,7 +103,7 @@ def test_default_backend_is_deepspeed_or_an_error_naming_its_extra() -> None:
         assert type(get_strategy({})).__name__ == "DeepspeedStrategy"
 
 
-def test_a_backend_missing_its_library_names_the_extra() -> None:
+def test_a_backend_missing_its_library_names_the_extra(own_registry: dict[str, object]) -> None:
     register_backend("needs_lib", "library_that_is_not_installed.mod:Strategy")
     with pytest.raises(
         ImportError,
@@ -136,8 +150,9 @@ class CustomStrategy(FSDP2Strategy):
     backend_name = "custom"
 
 
-def test_runtime_registration() -> None:
+def test_runtime_registration(own_registry: dict[str, object]) -> None:
     register_backend("custom", CustomStrategy)
+    assert own_registry["custom"] is CustomStrategy  # the fixture's copy, dropped after
     assert get_backend("custom") is CustomStrategy
     assert "custom" in strategy_pkg.available_backends()
 
@@ -271,10 +286,10 @@ def test_schedules_warm_up_then_follow_their_shape(kind: str, at_end: float) -> 
         lrs.append(optim.param_groups[0]["lr"])
         optim.step()
         sched.step()
-    assert lrs[0] == pytest.approx(0.1)  # warmup: 10 steps
-    assert lrs[9] == pytest.approx(1.0)
+    assert lrs[0] == 0.0 and lrs[1] == pytest.approx(0.1)  # warmup from 0: 10 steps
+    assert lrs[10] == pytest.approx(1.0)
     assert optim.param_groups[0]["lr"] == pytest.approx(at_end, abs=1e-9)
-    assert all(b <= a + 1e-12 for a, b in itertools.pairwise(lrs[9:]))
+    assert all(b <= a + 1e-12 for a, b in itertools.pairwise(lrs[10:]))
 
 
 # -- stepping semantics at world size 1 --------------------------------------------------
@@ -314,7 +329,7 @@ def test_non_finite_gradients_skip_the_step(fsdp2: StrategyBase) -> None:
         assert torch.equal(param.detach(), before[name]), name
 
 
-def test_clipping_uses_one_global_norm_and_max_norm_zero_disables_it(fsdp2: StrategyBase) -> None:
+def test_clipping_uses_one_global_norm(fsdp2: StrategyBase) -> None:
     model = fsdp2.prepare_model(workers.TinyNet(), is_training=True)
     optim = torch.optim.SGD(model.parameters(), lr=1.0)
     for _ in range(3):
@@ -333,21 +348,89 @@ def test_clipping_uses_one_global_norm_and_max_norm_zero_disables_it(fsdp2: Stra
     assert float(moved) == pytest.approx(fsdp2.max_norm, rel=1e-4)  # SGD lr 1: step = clipped grad
 
 
-def test_optimizer_offload_round_trip_is_harmless_on_cpu(fsdp2: StrategyBase) -> None:
+@pytest.mark.parametrize("max_norm", [0.0, -1.0], ids=["zero", "negative"])
+def test_max_norm_zero_or_negative_disables_clipping(max_norm: float) -> None:
+    """A gradient norm far above any clip threshold is applied as it is: the prepared
+    model follows a plain torch model stepped on the same, unclipped, gradients. (SGD,
+    whose step is proportional to the gradient; Adam's step hardly depends on the
+    gradient's scale, so it would not show a clip.)"""
+    with get_strategy(workers.config(max_norm=max_norm, train_batch_size=2)) as strategy:
+        assert strategy.max_norm == max_norm and strategy.accumulated_gradient == 1
+        reference = workers.TinyNet()
+        model = strategy.prepare_model(copy.deepcopy(reference), is_training=True)
+        optim = torch.optim.SGD(model.parameters(), lr=1e-3)
+        ref_optim = torch.optim.SGD(reference.parameters(), lr=1e-3)
+        x = torch.linspace(-1, 1, 2 * workers.DIM).reshape(2, workers.DIM)
+        for _ in range(3):
+            strategy.backward(model(x).pow(2).mean() * 100, model, optim)
+            assert strategy.optimizer_step(optim, model, None)
+            reference(x).pow(2).mean().mul(100).backward()  # type: ignore[no-untyped-call]
+            grads = [p.grad for p in reference.parameters() if p.grad is not None]
+            raw_norm = float(torch.nn.utils.get_total_norm(grads))
+            ref_optim.step()
+            ref_optim.zero_grad()
+            assert raw_norm > 10.0  # over 30x the other tests' max_norm: a clip would show
+            assert strategy.step_state(model).last_grad_norm == pytest.approx(raw_norm, rel=1e-5)
+            workers.assert_states_close(
+                strategy.full_state_dict(model), reference.state_dict(), rtol=1e-5, atol=1e-6
+            )
+
+
+def _full(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor's full value; a plain tensor as it is."""
+    full_tensor = getattr(tensor, "full_tensor", None)
+    return full_tensor() if callable(full_tensor) else tensor
+
+
+def test_optimizer_offload_round_trip_is_harmless_on_cpu() -> None:
+    """On a CPU job the state already lives in CPU memory: offload and load keep the
+    very tensors (no copy), and training goes on exactly as without the calls."""
+
+    def run(offload: bool) -> tuple[dict[str, torch.Tensor], list[dict[str, torch.Tensor]]]:
+        with get_strategy(workers.config()) as strategy:
+            model = strategy.prepare_model(workers.TinyNet(), is_training=True)
+            optim = strategy.create_optimizer(model)
+            for _ in range(4):
+                _grads_step(strategy, model, optim, 1.0)
+            if offload:
+                states = [dict(state) for state in optim.state.values()]
+                values = [{k: _full(v).clone() for k, v in state.items()} for state in states]
+                strategy.maybe_offload_optimizer(optim)
+                strategy.maybe_load_optimizer(optim)
+                after = list(optim.state.values())
+                for moved, before, value in zip(after, states, values, strict=True):
+                    assert set(moved) == {"step", "exp_avg", "exp_avg_sq"}
+                    for key, tensor in moved.items():
+                        assert tensor is before[key], key  # the very tensor: no copy made
+                        assert tensor.device.type == "cpu", key
+                        assert torch.equal(_full(tensor), value[key]), key
+            for _ in range(8):
+                _grads_step(strategy, model, optim, 1.0)
+            assert strategy.step_state(model).global_steps == 3
+            state = strategy.full_state_dict(model)
+            optim_state = [{k: _full(v) for k, v in st.items()} for st in optim.state.values()]
+        return state, optim_state
+
+    (with_calls, with_calls_optim), (without, without_optim) = run(True), run(False)
+    workers.assert_states_close(with_calls, without, rtol=0, atol=0)
+    for a, b in zip(with_calls_optim, without_optim, strict=True):
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_optimizer_state_moves_where_it_is_sent_and_not_under_adam_offload(
+    fsdp2: StrategyBase,
+) -> None:
     model = fsdp2.prepare_model(workers.TinyNet(), is_training=True)
     optim = fsdp2.create_optimizer(model)
     for _ in range(4):
         _grads_step(fsdp2, model, optim, 1.0)
-    snapshot = {
-        k: v.full_tensor().clone()
-        for k, v in optim.state[next(iter(optim.state))].items()
-        if k != "step"
-    }
-    fsdp2.maybe_offload_optimizer(optim)
-    fsdp2.maybe_load_optimizer(optim)
-    for key, value in optim.state[next(iter(optim.state))].items():
-        if key != "step":
-            assert torch.equal(value.full_tensor(), snapshot[key])
+    fsdp2.maybe_load_optimizer(optim, device="meta")  # a device that exists on every host
+    for state in optim.state.values():
+        assert state["exp_avg"].device.type == state["exp_avg_sq"].device.type == "meta"
+        assert state["step"].device.type == "cpu"  # the step count never moves
+    fsdp2.config.adam_offload = True  # DeepSpeed keeps such state on the CPU itself
+    fsdp2.maybe_load_optimizer(optim, device="cpu")
+    assert all(s["exp_avg"].device.type == "meta" for s in optim.state.values())
 
 
 def test_prepare_shapes(fsdp2: StrategyBase) -> None:
@@ -417,7 +500,23 @@ def test_report_memory_and_cache_clearing_work_on_cpu(
     assert figures["cpu_max_rss_gib"] > 0.01
     assert "allocated_gib" not in figures  # no accelerator figures on CPU
     assert any("after setup memory: cpu_max_rss_gib=" in r.getMessage() for r in caplog.records)
-    fsdp2.sync_and_clear_cache()
+
+    class Cycle:
+        def __init__(self) -> None:
+            self.me = self
+
+    was_enabled = gc.isenabled()
+    gc.disable()  # only sync_and_clear_cache may collect the cycle
+    try:
+        cycle = Cycle()
+        alive = weakref.ref(cycle)
+        del cycle
+        assert alive() is not None  # a reference cycle outlives its last name
+        fsdp2.sync_and_clear_cache()
+        assert alive() is None  # freed by the garbage collection it runs
+    finally:
+        if was_enabled:
+            gc.enable()
 
 
 def test_checkpoint_holds_optimizer_from_create_optimizer_and_client_state(
@@ -511,13 +610,49 @@ def test_save_refuses_to_replace_a_foreign_directory_and_bad_max_num(
     assert not (tmp_path / "global_step0").exists()
 
 
-def test_offload_model_and_reload_model_are_no_ops_on_a_cpu_job() -> None:
-    from lightrft.strategy.fsdp2 import FSDP2Strategy
+class RecordingMoves(FSDP2Strategy):
+    """Records the models the strategy hands to its ``_move_model`` backend hook."""
 
-    strategy = FSDP2Strategy(device="cpu")
-    model = torch.nn.Linear(3, 3)
-    before = [p.detach().clone() for p in model.parameters()]
-    strategy.offload_model(model)
-    assert all(p.device.type == "cpu" for p in model.parameters())
-    strategy.reload_model(model)
-    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)
+        self.moves: list[tuple[nn.Module, str]] = []
+
+    def _move_model(self, model: nn.Module, device: torch.device) -> None:
+        self.moves.append((model, device.type))
+
+
+def test_offload_model_and_reload_model_leave_the_models_of_a_cpu_job_in_place(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    with FSDP2Strategy(device="cpu") as strategy:
+        moves: list[nn.Module] = []
+        move = strategy._move_model
+        monkeypatch.setattr(strategy, "_move_model", lambda m, d: (moves.append(m), move(m, d)))
+        sharded = strategy.prepare_model(workers.TinyNet(), is_training=True)
+        models = [torch.nn.Linear(3, 3), sharded]
+        params = [list(m.parameters()) for m in models]
+        before = [[_full(p.detach()).clone() for p in ps] for ps in params]
+        strategy.offload_model(models)  # a list, as upstream's FSDP strategy takes
+        strategy.offload_model(models[0])
+        strategy.reload_model(models)
+        strategy.reload_model(models[1])
+        assert moves == []  # nothing to move off a CPU job
+        for model, ps, values in zip(models, params, before, strict=True):
+            now = list(model.parameters())
+            assert all(a is b for a, b in zip(now, ps, strict=True))  # the same tensors
+            assert all(p.device.type == "cpu" for p in now)
+            assert all(torch.equal(_full(p.detach()), v) for p, v in zip(now, values, strict=True))
+
+
+def test_offload_model_and_reload_model_move_every_model_of_an_accelerator_job() -> None:
+    with RecordingMoves(device="cpu") as strategy:
+        strategy.device = torch.device("cuda")  # as on a GPU job; the hook moves nothing
+        actor, critic = torch.nn.Linear(3, 3), torch.nn.Linear(3, 3)
+        strategy.offload_model([actor, critic])
+        strategy.reload_model([actor, critic])
+        strategy.offload_model(actor)
+        strategy.reload_model(actor)
+    assert strategy.moves == [
+        (actor, "cpu"), (critic, "cpu"), (actor, "cuda"), (critic, "cuda"),
+        (actor, "cpu"), (actor, "cuda"),
+    ]  # fmt: skip

@@ -68,8 +68,8 @@ def build_adamw(
 
 
 def _warmup_then(step: int, *, warmup: int, total: int, kind: str, min_ratio: float) -> float:
-    if step < warmup:
-        return (step + 1) / warmup
+    if step < warmup:  # from 0, as transformers' get_scheduler (upstream's) warms up
+        return step / warmup
     if kind == "constant_with_warmup":
         return 1.0
     progress = min(1.0, (step - warmup) / max(1, total - warmup))
@@ -84,11 +84,13 @@ def _warmup_then(step: int, *, warmup: int, total: int, kind: str, min_ratio: fl
 def build_scheduler(
     optimizer: torch.optim.Optimizer, config: StrategyConfig, max_steps: int
 ) -> torch.optim.lr_scheduler.LambdaLR:
-    """The configured schedule over ``max_steps`` optimizer steps: linear warmup for
-    ``ceil(max_steps * lr_warmup_ratio)`` steps, then ``config.lr_scheduler``.
+    """The configured schedule over ``max_steps`` optimizer steps: linear warmup from 0
+    for ``ceil(max_steps * lr_warmup_ratio)`` steps, then ``config.lr_scheduler``.
 
-    The default, ``cosine_with_min_lr``, is upstream's: cosine decay to
-    ``min_lr_ratio`` (0.1) of the peak learning rate.
+    The values are those of transformers' ``get_scheduler`` of the same name, which
+    upstream uses (its default, ``cosine_with_min_lr``, decays to ``min_lr_ratio``, 0.1,
+    of the peak learning rate), except past ``max_steps``, where the schedule holds its
+    last value instead of following the cosine back up.
     """
     if max_steps < 1:
         raise ValueError(f"max_steps={max_steps} must be >= 1 to build a learning-rate schedule")
