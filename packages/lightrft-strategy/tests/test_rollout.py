@@ -42,19 +42,38 @@ def test_weight_sync_sends_every_parameter_in_buckets_with_mapped_names() -> Non
 
 
 def test_generations_follow_the_synced_weights() -> None:
+    """FakeEngine's generations are a function of the weights it holds: a sync of the
+    same weights leaves them as they were, a changed weight changes them."""
     strategy = _single()
     model = workers.TinyNet()
     strategy.setup_inference_engine(FakeEngine())
-    sampling = SamplingParams(max_new_tokens=5, seed=1)
-    first = strategy.gather_and_generate([[1, 2, 3]], sampling)
+    sampling = SamplingParams(max_new_tokens=8, n=2, seed=1)
+    prompts = [[1, 2, 3], [4]]
+    unsynced = strategy.gather_and_generate(prompts, sampling)
     strategy.update_engine_weights(model)
-    synced = strategy.gather_and_generate([[1, 2, 3]], sampling)
+    synced = strategy.gather_and_generate(prompts, sampling)
+    assert synced != unsynced
+    strategy.update_engine_weights(model, bucket_bytes=3000)  # same weights, other buckets
+    assert strategy.gather_and_generate(prompts, sampling) == synced
+    copy = workers.TinyNet()
+    copy.load_state_dict(model.state_dict())
+    other = _single()
+    other.setup_inference_engine(FakeEngine())
+    other.update_engine_weights(copy)  # another engine, the same weights: the same outputs
+    assert other.gather_and_generate(prompts, sampling) == synced
+
+    original = model.head.bias.detach().clone()
     with torch.no_grad():
-        model.head.bias.add_(1.0)
+        model.head.bias[0] += 1.0
     strategy.update_engine_weights(model)
-    changed = strategy.gather_and_generate([[1, 2, 3]], sampling)
-    assert first[0].output_token_ids != synced[0].output_token_ids != changed[0].output_token_ids
-    assert strategy.gather_and_generate([[1, 2, 3]], sampling) == changed  # deterministic
+    changed = strategy.gather_and_generate(prompts, sampling)
+    pairs = zip(changed, synced, strict=True)
+    assert all(a.output_token_ids != b.output_token_ids for a, b in pairs)
+    assert strategy.gather_and_generate(prompts, sampling) == changed  # deterministic
+    with torch.no_grad():
+        model.head.bias.copy_(original)
+    strategy.update_engine_weights(model)
+    assert strategy.gather_and_generate(prompts, sampling) == synced
 
 
 def test_a_mismatched_weight_name_is_an_error_naming_it() -> None:

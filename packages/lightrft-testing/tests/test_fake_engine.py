@@ -3,6 +3,7 @@ the record of weight syncs."""
 
 from __future__ import annotations
 
+import hashlib
 import subprocess
 import sys
 
@@ -48,18 +49,102 @@ def test_bad_sampling_and_prompts_are_refused() -> None:
         engine.generate([[]])
 
 
-def test_weight_syncs_are_recorded_and_change_generations() -> None:
-    engine = FakeEngine(expected_weights=["a", "b"])
-    before = engine.generate([[1, 2]])
-    a, b = torch.ones(2, 3), torch.arange(4, dtype=torch.bfloat16)
-    engine.update_weights([("a", a)])
-    engine.update_weights([("b", b)])
+def _sync(engine: FakeEngine, *buckets: list[tuple[str, torch.Tensor]]) -> None:
+    for bucket in buckets:
+        engine.update_weights(bucket)
     engine.finish_weight_update()
+
+
+def test_weight_syncs_are_recorded() -> None:
+    engine = FakeEngine(expected_weights=["a", "b"])
+    a, b = torch.ones(2, 3), torch.arange(4, dtype=torch.bfloat16)
+    _sync(engine, [("a", a)], [("b", b)])
     record = engine.syncs[-1]
     assert record["a"].shape == (2, 3) and record["a"].dtype == torch.float32
     assert record["b"].dtype == torch.bfloat16 and record["b"].sha256 == tensor_digest(b)
     assert engine.bucket_sizes == [1, 1]
-    assert engine.generate([[1, 2]]) != before
+    assert engine.weights == record
+
+
+def test_outputs_after_a_sync_follow_the_documented_rule() -> None:
+    engine = FakeEngine(vocab_size=97)
+    a, b = torch.ones(2, 3), torch.arange(4, dtype=torch.bfloat16)
+    _sync(engine, [("b", b), ("a", a)])
+    lines = [f"a\0{a.dtype}\0{tuple(a.shape)}\0{tensor_digest(a)}\n",
+             f"b\0{b.dtype}\0{tuple(b.shape)}\0{tensor_digest(b)}\n"]  # fmt: skip
+    digest = hashlib.sha256("".join(lines).encode()).hexdigest()  # names in sorted order
+    assert engine.weights_digest == digest
+    w = [int(digest[8 * i : 8 * i + 8], 16) for i in range(8)]
+    assert engine.weights_version == w[0]
+    out = engine.generate([[3, 4]], SamplingParams(max_new_tokens=10, n=2, seed=5))
+    for k in range(2):
+        expected = [
+            (7 * 31 + 2 * 17 + 5 * 1009 + k * 7919 + j * 131 + w[j % 8]) % 97 for j in range(10)
+        ]
+        assert out[k].output_token_ids == expected
+
+
+def test_generations_depend_on_the_weights_received_and_nothing_else() -> None:
+    sampling = SamplingParams(max_new_tokens=8, n=2)
+    prompts = [[1, 2], [7]]
+    a, b = torch.randn(4, 3, generator=torch.Generator().manual_seed(0)), torch.ones(5)
+
+    engine = FakeEngine()
+    fresh = engine.generate(prompts, sampling)
+    _sync(engine, [("a", a), ("b", b)])
+    synced = engine.generate(prompts, sampling)
+    assert synced != fresh
+    # the same weights again (new tensor objects, other order and buckets): no change
+    _sync(engine, [("b", b.clone())], [("a", a.clone())])
+    assert engine.generate(prompts, sampling) == synced
+    # another engine that received the same weights once generates the same
+    other = FakeEngine()
+    _sync(other, [("a", a.clone()), ("b", b.clone())])
+    assert other.generate(prompts, sampling) == synced
+    # one element of one weight changed: other generations; changed back: the same again
+    changed_a = a.clone()
+    changed_a[2, 1] += 1e-3
+    _sync(engine, [("a", changed_a)])
+    changed = engine.generate(prompts, sampling)
+    pairs = zip(changed, synced, strict=True)
+    assert all(x.output_token_ids != y.output_token_ids for x, y in pairs)
+    _sync(engine, [("a", a)])
+    assert engine.generate(prompts, sampling) == synced
+    # the same values in another dtype, or under other names, are other weights
+    _sync(engine, [("a", a.double())])
+    assert engine.generate(prompts, sampling) != synced
+    renamed = FakeEngine()
+    _sync(renamed, [("a", b), ("b", a)])
+    assert renamed.generate(prompts, sampling) != synced
+
+
+def test_a_sync_updates_only_the_weights_it_sends() -> None:
+    a, b = torch.zeros(3), torch.ones(3)
+    both = FakeEngine()
+    _sync(both, [("a", a), ("b", b)])
+    in_two_syncs = FakeEngine()
+    _sync(in_two_syncs, [("a", a)])
+    _sync(in_two_syncs, [("b", b)])
+    assert in_two_syncs.weights_digest == both.weights_digest
+    assert in_two_syncs.generate([[1]]) == both.generate([[1]])
+    _sync(in_two_syncs)  # a sync that sends nothing changes nothing
+    assert in_two_syncs.generate([[1]]) == both.generate([[1]])
+
+
+def test_a_level_2_sleep_discards_the_weights() -> None:
+    a, b = torch.zeros(3), torch.ones(3)
+    engine = FakeEngine()
+    _sync(engine, [("a", a), ("b", b)])
+    engine.sleep(1)  # level 1 keeps them
+    engine.wake_up()
+    assert set(engine.weights) == {"a", "b"}
+    engine.sleep(2)
+    assert engine.weights == {} and engine.weights_digest == ""
+    engine.wake_up()
+    _sync(engine, [("a", a)])
+    only_a = FakeEngine()
+    _sync(only_a, [("a", a)])
+    assert engine.generate([[1]]) == only_a.generate([[1]])
 
 
 def test_bad_syncs_name_the_weight_and_keep_nothing() -> None:

@@ -255,18 +255,29 @@ def _spec_examples(cfg: dict[str, Any], backend: dict[str, Any]) -> dict[str, An
     return {"example_1": first, "example_2": spec_examples.run_example_2(backend)}
 
 
-def _load_error(cfg: dict[str, Any], load_dir: str) -> str:
+def _load_error(cfg: dict[str, Any], load_dir: str) -> tuple[str, bool]:
+    """The error ``load_ckpt`` raised (or ``"loaded"``), and whether the model's weights
+    are still those it had before the call (compared in full, on rank 0)."""
     from lightrft.strategy import get_strategy
 
     strategy = get_strategy(cfg)
     (actor, _, _), *_ = strategy.prepare_models_and_optimizers(_Net(), None, None, None, None, 8)
     try:
-        strategy.load_ckpt(actor, load_dir)
-    except Exception as exc:
-        return f"{type(exc).__name__}: {exc}"
+        # cloned: a plain module's state dict holds its very tensors, which a load changes
+        before = {k: v.clone() for k, v in strategy.full_state_dict(actor).items()}
+        try:
+            strategy.load_ckpt(actor, load_dir)
+        except Exception as exc:
+            error = f"{type(exc).__name__}: {exc}"
+        else:
+            error = "loaded"
+        after = strategy.full_state_dict(actor)
+        unchanged = before.keys() == after.keys() and all(
+            torch.equal(after[k], v) for k, v in before.items()
+        )
     finally:
         strategy.close()
-    return "loaded"
+    return error, unchanged
 
 
 class StrategyConformance:
@@ -322,8 +333,10 @@ class StrategyConformance:
         first = ranks[0]
         assert first["stepped"] == [False, True] * 4, "optimizer_step's boundary"
         assert all(r["losses"] == first["losses"] for r in ranks), "ranks disagree on loss"
-        seen = [{i for batch in r["used"] for i in batch} for r in ranks]
-        assert sum(len(s) for s in seen) == len(set().union(*seen)), "ranks shared samples"
+        used = [i for r in ranks for batch in r["used"] for i in batch]
+        # 16 samples a rank, within the first epoch: no sample twice, on one rank or two
+        assert len(used) == 16 * self.world_size, len(used)
+        assert len(set(used)) == len(used), "a sample was used twice in one epoch"
         ref = _reference(cfg, 4, [r["used"] for r in ranks])
         torch.testing.assert_close(first["losses"], ref["losses"], rtol=1e-5, atol=1e-6)
         state = {k: v.float() for k, v in first["state"].items()}
@@ -368,8 +381,14 @@ class StrategyConformance:
         for r in results:
             assert r["order"] == r["again"], "the same seed gave another order"
             assert r["resumed"] == r["order"][3:], "consumed_samples did not resume"
-        seen = [{i for batch in r["order"] for i in batch} for r in results]
-        assert sum(len(s) for s in seen) == len(set().union(*seen)), "ranks shared samples"
+        # an epoch over all ranks: every sample once, bar the tail drop_last drops (none
+        # when 2 x world size divides 24: then each index of the dataset comes exactly once)
+        every = sorted(i for r in results for batch in r["order"] for i in batch)
+        per_rank = 24 // self.world_size // 2 * 2
+        assert len(every) == per_rank * self.world_size, every
+        assert len(set(every)) == len(every), f"a sample came twice in one epoch: {every}"
+        if 24 % (2 * self.world_size) == 0:
+            assert every == list(range(24)), every
 
     def test_truncated_or_foreign_checkpoints_are_refused(self, tmp_path: Path) -> None:
         cfg = self.config()
@@ -379,17 +398,19 @@ class StrategyConformance:
         metadata = json.loads(metadata_file.read_text())
         # another backend's checkpoint: named, nothing loaded
         metadata_file.write_text(json.dumps({**metadata, "backend": "someone-else"}))
-        for error in self._run(_load_error, cfg, str(tmp_path)):
+        for error, unchanged in self._run(_load_error, cfg, str(tmp_path)):
             assert error.startswith("ForeignCheckpointError"), error
             assert "someone-else" in error, error
+            assert unchanged, "a refused checkpoint changed the model's weights"
         metadata_file.write_text(json.dumps(metadata))
         # a file cut short: named, nothing loaded
         victim = max((p for p in tag.rglob("*") if p.is_file() and p != metadata_file),
                      key=lambda p: p.stat().st_size)  # fmt: skip
         victim.write_bytes(victim.read_bytes()[: victim.stat().st_size // 2])
-        for error in self._run(_load_error, cfg, str(tmp_path)):
+        for error, unchanged in self._run(_load_error, cfg, str(tmp_path)):
             assert error.startswith("IncompleteCheckpointError"), error
             assert victim.name in error, error
+            assert unchanged, "a refused checkpoint changed the model's weights"
 
     def test_engine_weight_sync_and_generation(self) -> None:
         results = self._run(_engine, self.config())

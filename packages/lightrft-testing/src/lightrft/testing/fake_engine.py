@@ -1,15 +1,21 @@
 """`FakeEngine`: the inference-engine protocol with deterministic outputs, for tests.
 
 Output rule (documented so tests can compute expected tokens): for a prompt with token
-ids ``p``, sample ``k`` of ``n``, seed ``s`` (``SamplingParams.seed``, else 0) and the
-engine's current ``weights_version``, output token ``j`` is::
+ids ``p``, sample ``k`` of ``n`` and seed ``s`` (``SamplingParams.seed``, else 0),
+output token ``j`` is::
 
-    (sum(p) * 31 + len(p) * 17 + s * 1009 + k * 7919 + j * 131 + weights_version) % vocab_size
+    (sum(p) * 31 + len(p) * 17 + s * 1009 + k * 7919 + j * 131 + w[j % 8]) % vocab_size
 
 until ``max_new_tokens`` tokens (``finish_reason="length"``) or a token in
-``stop_token_ids`` (included, ``finish_reason="stop"``). ``weights_version`` is 0 at
-start and becomes a digest of the synced tensors after each completed weight sync, so
-generations change when the weights do.
+``stop_token_ids`` (included, ``finish_reason="stop"``). ``w`` is a function of the
+weights the engine holds and of nothing else: the eight 32-bit words of
+``engine.weights_digest`` (``w[i] = int(weights_digest[8 * i : 8 * i + 8], 16)``), all
+0 while it holds no weights. ``weights_digest`` is :func:`weights_digest` of
+``engine.weights``: every name received by a completed sync with the record of the
+latest tensor sent under it (a level-2 sleep discards them all, as a real engine
+does). So syncing the same weights again (in any order or bucketing) leaves the
+generations as they were, and changing any weight changes them.
+``weights_version`` is ``w[0]``.
 
 Sleep/wake follows :class:`lightrft.engines.protocol.SleepState`, the state machine
 the real adapters use; every weight sync is recorded (name, shape, dtype and a SHA-256
@@ -19,7 +25,7 @@ of each tensor's bytes) so a test can check a sync sent exactly the right weight
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -50,9 +56,24 @@ def tensor_digest(tensor: torch.Tensor) -> str:
     return hashlib.sha256(data.view(torch.uint8).numpy().tobytes()).hexdigest()
 
 
+def weights_digest(weights: Mapping[str, WeightRecord]) -> str:
+    """SHA-256 (hex) of a set of weights: over each record's name, dtype, shape and
+    tensor digest, in name order, so the order the tensors were sent in does not
+    matter. ``""`` for no weights."""
+    if not weights:
+        return ""
+    digest = hashlib.sha256()
+    for name in sorted(weights):
+        record = weights[name]
+        line = f"{record.name}\0{record.dtype}\0{record.shape}\0{record.sha256}\n"
+        digest.update(line.encode())
+    return digest.hexdigest()
+
+
 class FakeEngine:
-    """An in-process engine: deterministic generations, sleep/wake levels enforced,
-    weight syncs recorded.
+    """An in-process engine: generations a deterministic function of the prompt, the
+    sampling parameters and the weights received (the module's output rule), sleep/wake
+    levels enforced, weight syncs recorded.
 
     Args:
         vocab_size: token ids produced are below it.
@@ -78,6 +99,12 @@ class FakeEngine:
         self.supports_sleep = supports_sleep
         self.generate_on_every_rank = generate_on_every_rank
         self.state = SleepState(supports_sleep)
+        #: The weights held: name -> record of the latest tensor a completed sync sent
+        #: under that name. Emptied by a level-2 sleep.
+        self.weights: dict[str, WeightRecord] = {}
+        #: :func:`weights_digest` of :attr:`weights`; the generations depend on it.
+        self.weights_digest = ""
+        #: The first 32-bit word of :attr:`weights_digest` (0 while no weights are held).
         self.weights_version = 0
         #: Completed syncs, oldest first: name -> WeightRecord.
         self.syncs: list[dict[str, WeightRecord]] = []
@@ -101,14 +128,15 @@ class FakeEngine:
         seed = sampling.seed or 0
         stops = set(sampling.stop_token_ids)
         outputs = []
+        words = self._weight_words()
         for prompt in prompts:
             ids = prompt_token_ids(prompt)
-            base = sum(ids) * 31 + len(ids) * 17 + seed * 1009 + self.weights_version
+            base = sum(ids) * 31 + len(ids) * 17 + seed * 1009
             for k in range(sampling.n):
                 tokens: list[int] = []
                 reason = "length"
                 for j in range(sampling.max_new_tokens):
-                    token = (base + k * 7919 + j * 131) % self.vocab_size
+                    token = (base + k * 7919 + j * 131 + words[j % 8]) % self.vocab_size
                     tokens.append(token)
                     if token in stops:
                         reason = "stop"
@@ -116,10 +144,18 @@ class FakeEngine:
                 outputs.append(GenerationOutput(ids, tokens, reason))
         return outputs
 
+    def _weight_words(self) -> list[int]:
+        """``w`` of the output rule: the digest's eight 32-bit words, or zeros."""
+        if not self.weights_digest:
+            return [0] * 8
+        return [int(self.weights_digest[8 * i : 8 * i + 8], 16) for i in range(8)]
+
     # -- sleep / wake ------------------------------------------------------------------------
     def sleep(self, level: int = 1) -> None:
         self._check_open()
         self.state.sleep(level)
+        if level == 2:  # the weights are discarded: generations wait for a new sync
+            self._set_weights({})
 
     def wake_up(self, tags: Sequence[str] | None = None) -> None:
         self._check_open()
@@ -157,9 +193,13 @@ class FakeEngine:
         record, self._pending = self._pending, {}
         self.bucket_sizes, self._pending_buckets = self._pending_buckets, []
         self.syncs.append(record)
-        digest = hashlib.sha256("".join(r.sha256 for r in record.values()).encode()).hexdigest()
-        self.weights_version = int(digest[:8], 16)
+        self._set_weights({**self.weights, **record})
         self.state.weights_synced()
+
+    def _set_weights(self, weights: dict[str, WeightRecord]) -> None:
+        self.weights = weights
+        self.weights_digest = weights_digest(weights)
+        self.weights_version = self._weight_words()[0]
 
     # -- lifecycle -------------------------------------------------------------------------------
     def shutdown(self) -> None:
