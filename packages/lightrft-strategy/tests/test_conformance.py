@@ -15,6 +15,15 @@ class TestFSDP2Conformance(StrategyConformance):
 
 @pytest.mark.deepspeed
 @pytest.mark.distributed
+class TestZero0Conformance(StrategyConformance):
+    """Stage 0 in fp32 is the one path where the strategy clips and skips itself."""
+
+    backend = {"backend": "deepspeed", "zero_stage": 0}  # noqa: RUF012
+    world_size = 2
+
+
+@pytest.mark.deepspeed
+@pytest.mark.distributed
 class TestZero1Conformance(StrategyConformance):
     backend = {"backend": "deepspeed", "zero_stage": 1}  # noqa: RUF012
     world_size = 2

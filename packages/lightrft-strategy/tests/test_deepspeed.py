@@ -8,6 +8,7 @@ bit; EMA within rtol 1e-5 of the EMA of the unsharded reference.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -257,3 +258,35 @@ def test_zero3_deferred_setup_refuses_use_until_set_up() -> None:
     for result in ranks:
         assert all(e and e.startswith("NotSetUpError") for e in result["errors"].values())
         assert result["world"] == 2 and result["accumulated"] == 2
+
+
+def test_a_plain_process_trains_at_zero0_bf16_and_exports_fp32_masters(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """No launcher (no LOCAL_RANK): a world of one still builds DeepSpeed engines; ZeRO-0
+    in bf16 keeps fp32 masters in its optimizer, and full_state_dict returns them."""
+    from torch import nn
+
+    from lightrft.strategy import get_strategy
+
+    for name in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    strategy = get_strategy({"backend": "deepspeed", "zero_stage": 0, "precision": "bf16",
+                             "device": "cpu", "train_batch_size": 2,
+                             "micro_train_batch_size": 2, "actor_learning_rate": 1e-3})  # fmt: skip
+    torch.manual_seed(0)
+    (model, optim, sched), *_ = strategy.prepare_models_and_optimizers(
+        nn.Linear(8, 8), None, None, None, None, 4
+    )
+    for _ in range(3):
+        loss = model(torch.randn(2, 8)).float().pow(2).mean()
+        strategy.backward(loss, model, optim)
+        assert strategy.optimizer_step(optim, model, sched)
+    state = strategy.full_state_dict(model)
+    bf16_weight = strategy.unwrap_model(model).weight
+    assert bf16_weight.dtype == torch.bfloat16 and state["weight"].dtype == torch.float32
+    # the masters carry what bf16 rounds away
+    assert not torch.equal(state["weight"], bf16_weight.detach().float())
+    torch.testing.assert_close(state["weight"].bfloat16(), bf16_weight.detach())
+    strategy.close()
+    os.environ.pop("LOCAL_RANK", None)  # set by the strategy for DeepSpeed; not ours to keep

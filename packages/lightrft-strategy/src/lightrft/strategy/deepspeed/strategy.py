@@ -10,6 +10,7 @@ import importlib.util
 import json
 import logging
 import math
+import os
 import weakref
 from collections.abc import Iterator
 from pathlib import Path
@@ -102,6 +103,9 @@ class DeepspeedStrategy(StrategyBase):
         )
 
     def _after_setup(self) -> None:
+        # deepspeed.initialize insists on LOCAL_RANK, which no launcher sets for a plain
+        # single process (a world of one): give it the local rank setup found.
+        os.environ.setdefault("LOCAL_RANK", str(self.launch.local_rank))
         # DeepSpeed's communication layer wraps the process group made by the base class.
         deepspeed.init_distributed(dist_backend=dist.get_backend(), dist_init_required=False)
         self.get_ds_train_config()  # a bad overlay fails here, before any model is built
@@ -436,6 +440,17 @@ class DeepspeedStrategy(StrategyBase):
             and model.optimizer is not None
         )
         rank0 = self.is_rank_0()
+        # ZeRO-0 in bf16/fp16 keeps its masters in an unfused optimizer's fp32 groups,
+        # which DeepSpeed's safe_get_full_fp32_param does not know
+        unfused: dict[int, torch.Tensor] = {}
+        if masters:
+            optimizer = getattr(model, "optimizer", None)
+            for low, high in zip(
+                getattr(optimizer, "fp16_groups", []),
+                getattr(optimizer, "fp32_groups", []),
+                strict=False,
+            ):
+                unfused.update({id(p): q for p, q in zip(low, high, strict=False)})
         out: dict[str, torch.Tensor] = {}
         first_name: dict[int, str] = {}
         for name, tensor in module.state_dict(keep_vars=True).items():
@@ -445,6 +460,8 @@ class DeepspeedStrategy(StrategyBase):
                 continue
             first_name[id(tensor)] = name
             full = safe_get_full_fp32_param(tensor) if masters else None
+            if full is None and id(tensor) in unfused:
+                full = unfused[id(tensor)]
             if full is None:
                 gather = _is_partitioned(tensor)
                 with deepspeed.zero.GatheredParameters([tensor], enabled=gather):
