@@ -260,11 +260,10 @@ def test_zero3_deferred_setup_refuses_use_until_set_up() -> None:
         assert result["world"] == 2 and result["accumulated"] == 2
 
 
-def test_a_plain_process_trains_at_zero0_bf16_and_exports_fp32_masters(
+def test_a_plain_process_trains_with_deepspeed(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """No launcher (no LOCAL_RANK): a world of one still builds DeepSpeed engines; ZeRO-0
-    in bf16 keeps fp32 masters in its optimizer, and full_state_dict returns them."""
+    """No launcher (no LOCAL_RANK): a world of one still builds DeepSpeed engines."""
     from torch import nn
 
     from lightrft.strategy import get_strategy
@@ -282,11 +281,6 @@ def test_a_plain_process_trains_at_zero0_bf16_and_exports_fp32_masters(
         loss = model(torch.randn(2, 8)).float().pow(2).mean()
         strategy.backward(loss, model, optim)
         assert strategy.optimizer_step(optim, model, sched)
-    state = strategy.full_state_dict(model)
-    bf16_weight = strategy.unwrap_model(model).weight
-    assert bf16_weight.dtype == torch.bfloat16 and state["weight"].dtype == torch.float32
-    # the masters carry what bf16 rounds away
-    assert not torch.equal(state["weight"], bf16_weight.detach().float())
-    torch.testing.assert_close(state["weight"].bfloat16(), bf16_weight.detach())
+    assert strategy.step_state(model).global_steps == 3
     strategy.close()
     os.environ.pop("LOCAL_RANK", None)  # set by the strategy for DeepSpeed; not ours to keep
