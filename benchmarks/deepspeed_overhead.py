@@ -2,9 +2,9 @@
 and DeepSpeed against FSDP2 through the strategy.
 
 Every side trains the same small transformer-like model (same seed, same data; the
-model of ``fsdp2_overhead.py``): fp32, AdamW, gradient accumulation, global-norm
-clipping, a LambdaLR schedule. Measures, interleaved over rounds (alternating which side
-goes first):
+model of ``fsdp2_overhead.py``, from ``_common.py``): fp32, AdamW, gradient
+accumulation, global-norm clipping, a LambdaLR schedule. Measures, interleaved over
+rounds (alternating which side goes first):
   * for each ZeRO stage in ``--stages``: training steps/s of a raw loop
     (``deepspeed.initialize`` with a torch AdamW and LambdaLR, ``engine.backward`` /
     ``engine.step`` per micro-batch) vs ``strategy.backward`` /
@@ -22,7 +22,9 @@ Every rank builds the same seeded model outside ``strategy.init_model_context()`
 every side, so at ZeRO-3 ``deepspeed.initialize`` partitions it. It also prints how busy
 other processes kept the CPUs meanwhile: on a shared 2-core machine that noise is larger
 than the effect measured; read the per-round ranges. ``--profile N`` adds a cProfile of
-N steps per raw/strategy side (rank 0).
+N steps per raw/strategy side (rank 0). The model, data, timing, interleaving and
+reporting are ``_common.py``'s (shared with ``fsdp2_overhead.py``); this script holds
+the DeepSpeed sides and the per-stage and FSDP2 comparisons.
 
     python benchmarks/deepspeed_overhead.py [--steps 10] [--rounds 5] [--stages 2,3]
 
@@ -36,127 +38,56 @@ from __future__ import annotations
 
 import argparse
 import copy
-import cProfile
 import gc
 import importlib
-import io
 import logging
 import os
 import pstats
 import shutil
 import statistics
-import subprocess
 import sys
-import tempfile
-import time
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
 
+from _common import (
+    Batches,
+    add_launch_arguments,
+    add_model_arguments,
+    add_round_arguments,
+    build_model,
+    interleaved,
+    max_param_difference,
+    other_processes_cpus,
+    param_groups,
+    profile_calls,
+    quiet_logger,
+    relaunch_under_torchrun,
+    report_other_processes,
+    report_overhead,
+    report_pair,
+    shared_tempdir,
+    start_figures,
+    strategy_config,
+    time_checkpoints,
+    timed,
+    under_torchrun,
+)
 from lightrft.strategy import get_strategy
 
 TARGET_PERCENT = 3.0
-#: Functions --profile lists by cumulative time (a regular expression on file:line(name)).
+#: Functions --profile lists by cumulative time (a regular expression on file:line(name));
+#: the model's forward is in _common.py.
 PROFILE_FILTER = (
     "lightrft|deepspeed_overhead|engine.py|stage_1_and_2|stage3|clip|optimizer.py|wait"
-    "|all_gather|reduce_scatter|all_reduce|run_backward"
+    r"|all_gather|reduce_scatter|all_reduce|run_backward|[/\\]_common\.py"
 )
-
-
-# -- the model (as in fsdp2_overhead.py) -------------------------------------------------
-class Block(nn.Module):
-    """Pre-norm transformer block: self-attention, then a 4x MLP, each residual."""
-
-    def __init__(self, dim: int, heads: int) -> None:
-        super().__init__()
-        self.heads = heads
-        self.norm1 = nn.LayerNorm(dim)
-        self.qkv = nn.Linear(dim, 3 * dim)
-        self.proj = nn.Linear(dim, dim)
-        self.norm2 = nn.LayerNorm(dim)
-        self.up = nn.Linear(dim, 4 * dim)
-        self.down = nn.Linear(4 * dim, dim)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, s, d = x.shape
-        q, k, v = self.qkv(self.norm1(x)).view(b, s, 3, self.heads, d // self.heads).unbind(2)
-        attn = nn.functional.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
-        )
-        x = x + self.proj(attn.transpose(1, 2).reshape(b, s, d))
-        out: torch.Tensor = x + self.down(nn.functional.gelu(self.up(self.norm2(x))))
-        return out
-
-
-class TinyTransformer(nn.Module):
-    def __init__(self, dim: int, layers: int, heads: int) -> None:
-        super().__init__()
-        self.layers = nn.ModuleList([Block(dim, heads) for _ in range(layers)])
-        self.norm = nn.LayerNorm(dim)
-        self.head = nn.Linear(dim, dim)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for layer in self.layers:
-            x = layer(x)
-        # (tokens, dim): a 2-D matmul, so the root's output is not a view of another tensor
-        out: torch.Tensor = self.head(self.norm(x).flatten(0, 1))
-        return out
-
-
-def build_model(args: argparse.Namespace) -> TinyTransformer:
-    torch.manual_seed(args.seed)
-    return TinyTransformer(args.dim, args.layers, args.heads)
-
-
-def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
-    """The strategy's split (weights decayed; biases and norms not)."""
-    decay = [p for p in model.parameters() if p.ndim > 1]
-    no_decay = [p for p in model.parameters() if p.ndim <= 1]
-    return [
-        {"params": decay, "weight_decay": weight_decay},
-        {"params": no_decay, "weight_decay": 0.0},
-    ]
-
-
-class Batches:
-    """A fixed pool of this rank's micro-batches, cycled; each side gets its own cursor."""
-
-    def __init__(self, args: argparse.Namespace, rank: int, pool: int = 8) -> None:
-        gen = torch.Generator().manual_seed(args.seed + 1 + rank)
-        shape = (args.micro_batch, args.seq, args.dim)
-        self.data = [
-            (torch.randn(shape, generator=gen), torch.randn(shape, generator=gen).flatten(0, 1))
-            for _ in range(pool)
-        ]
-        self.cursor = 0
-
-    def next(self) -> tuple[torch.Tensor, torch.Tensor]:
-        batch = self.data[self.cursor % len(self.data)]
-        self.cursor += 1
-        return batch
-
-
-def strategy_config(args: argparse.Namespace, world: int, **changes: Any) -> dict[str, Any]:
-    return {
-        "device": "cpu",
-        "bf16": False,
-        "seed": args.seed,
-        "train_batch_size": args.micro_batch * world * args.accum,
-        "micro_train_batch_size": args.micro_batch,
-        "max_norm": args.max_norm,
-        "actor_learning_rate": args.lr,
-        "adam_betas": (0.9, 0.95),
-        "l2": args.weight_decay,
-        "lr_warmup_ratio": 0.0,
-        "lr_scheduler": "constant_with_warmup",
-        **changes,
-    }
 
 
 # -- the sides ---------------------------------------------------------------------------
@@ -237,81 +168,12 @@ class StrategySide:
         self.strategy.load_ckpt(self.engine, root / "strategy", tag=f"r{index}")
 
 
-# -- timing ------------------------------------------------------------------------------
-def timed(fn: Callable[[], None], repeat: int = 1) -> float:
-    """Seconds for ``repeat`` calls of ``fn`` on every rank (barriers on both sides)."""
-    dist.barrier()
-    start = time.perf_counter()
-    for _ in range(repeat):
-        fn()
-    dist.barrier()
-    return time.perf_counter() - start
-
-
-def interleaved(
-    sides: list[Any], run: Callable[[Any], float], rounds: int, label: str, rank: int
-) -> dict[str, list[float]]:
-    """``run(side)`` for each side, ``rounds`` times, alternating which side goes first."""
-    times: dict[str, list[float]] = {side.name: [] for side in sides}
-    for r in range(rounds):
-        for side in sides if r % 2 == 0 else sides[::-1]:
-            times[side.name].append(run(side))
-        if rank == 0:
-            print(f"\r  {label}: round {r + 1}/{rounds}", end="", file=sys.stderr, flush=True)
-    if rank == 0:
-        print(file=sys.stderr)
-    return times
-
-
-def machine_busy_seconds() -> float | None:
-    """CPU-seconds every process on this machine has spent busy (or stolen by the
-    hypervisor) since boot, from /proc/stat; None where there is no /proc/stat."""
-    try:
-        ticks = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
-    except (OSError, ValueError):
-        return None
-    user, nice, system, _idle, _iowait, irq, softirq, steal = (ticks + [0] * 8)[:8]
-    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
-
-
-def other_processes_cpus(wall0: float, own0: float, busy0: float | None) -> float | None:
-    """CPUs that processes other than this job's ranks kept busy, on average, since the
-    start figures (all ranks call it; the answer is meaningful on rank 0, single node)."""
-    own = torch.tensor(time.process_time() - own0, dtype=torch.float64)
-    dist.all_reduce(own)
-    busy1 = machine_busy_seconds()
-    wall = time.perf_counter() - wall0
-    if busy0 is None or busy1 is None or wall <= 0:
-        return None
-    return max(0.0, (busy1 - busy0 - float(own)) / wall)
-
-
-def local_parameters(model: nn.Module) -> Iterator[torch.Tensor]:
-    """This rank's part of each parameter: the ZeRO-3 partition, the DTensor shard, or
-    the whole (replicated) tensor."""
-    for param in model.parameters():
-        if hasattr(param, "ds_tensor"):
-            yield param.ds_tensor.detach()
-        elif isinstance(param, DTensor):
-            yield param.to_local().detach()
-        else:
-            yield param.detach()
-
-
-def max_param_difference(a: nn.Module, b: nn.Module) -> float:
-    """Largest |a - b| over all parameters, over all ranks' parts."""
-    worst = torch.zeros(())
-    for la, lb in zip(local_parameters(a), local_parameters(b), strict=True):
-        if la.numel():
-            worst = torch.maximum(worst, (la - lb).abs().max())
-    dist.all_reduce(worst, op=dist.ReduceOp.MAX)
-    return float(worst)
-
-
+# -- profiling ---------------------------------------------------------------------------
 def wrapper_costs(stats: pstats.Stats) -> list[str]:
     """For each training call of the strategy (``backward``, ``optimizer_step``): the time
     it took less the time of the ``engine.backward`` / ``engine.step`` made from it, per
-    call (the engine's other small calls it makes count as the strategy's)."""
+    call (the engine's other small calls it makes count as the strategy's); under a
+    heading, or no lines where the profile has no such call (a raw side's)."""
     table: dict[Any, Any] = vars(stats)["stats"]
     lines = []
     for key, (_cc, calls, _own, total, _callers) in sorted(table.items()):
@@ -334,50 +196,14 @@ def wrapper_costs(stats: pstats.Stats) -> list[str]:
             f"  {name:<15} {(total - inner) / calls * 1e3:8.3f} ms per call over "
             f"{inner / calls * 1e3:8.3f} ms in the engine call ({calls} calls)"
         )
-    return lines
+    if not lines:
+        return []
+    return ["-- the strategy's own cost (its call's time less the engine call in it):", *lines]
 
 
-def profile_steps(side: Any, steps: int, top: int) -> str:
-    profiler = cProfile.Profile()
-    dist.barrier()
-    profiler.enable()
-    for _ in range(steps):
-        side.step()
-    profiler.disable()
-    dist.barrier()
-    out = io.StringIO()
-    stats = pstats.Stats(profiler, stream=out)
-    wrappers = wrapper_costs(stats)
-    if wrappers:
-        print("-- the strategy's own cost (its call's time less the engine call in it):", file=out)
-        for line in wrappers:
-            print(line, file=out)
-    print("-- by own time:", file=out)
-    stats.sort_stats("tottime").print_stats(top)
-    print("-- by cumulative time, the training calls and collectives only:", file=out)
-    stats.sort_stats("cumulative").print_stats(PROFILE_FILTER, top)
-    return out.getvalue()
-
-
-def report_pair(
-    title: str, raw: list[float], ours: list[float], unit: str, scale: float
-) -> tuple[float, float]:
-    r, o = statistics.median(raw), statistics.median(ours)
-    print(title)
-    print(f"  raw                    {r * scale:9.2f} {unit}")
-    print(f"  strategy               {o * scale:9.2f} {unit}")
-    ratios = [b / a for a, b in zip(raw, ours, strict=True)]
-    print(f"  ratio strategy/raw     {o / r:9.3f}x")
-    print(
-        f"  per-round ratios       median {statistics.median(ratios):.3f}x, "
-        f"range {min(ratios):.3f}x .. {max(ratios):.3f}x"
-    )
-    best_r, best_o = min(raw), min(ours)
-    print(
-        f"  best round             raw {best_r * scale:.2f}, strategy {best_o * scale:.2f} "
-        f"{unit} (ratio {best_o / best_r:.3f}x)"
-    )
-    return r, o
+def profile_steps(side: Any, steps: int) -> str:
+    """A cProfile of ``steps`` steps of ``side``, the strategy's own cost first."""
+    return profile_calls(side.step, steps, 25, PROFILE_FILTER, summary=wrapper_costs)
 
 
 # -- the measurements --------------------------------------------------------------------
@@ -394,43 +220,24 @@ def measure_stage(
     for side in sides:
         timed(side.step, args.warmup)
     cpu: dict[str, list[float]] = {side.name: [] for side in sides}
-
-    def train(side: Any) -> float:
-        start = time.process_time()
-        wall = timed(side.step, args.steps)
-        cpu[side.name].append(time.process_time() - start)
-        return wall
-
-    steps = interleaved(sides, train, args.rounds, f"ZeRO-{stage} training", rank)
+    steps = interleaved(
+        {side.name: partial(timed, side.step, args.steps, cpu[side.name]) for side in sides},
+        args.rounds,
+        f"ZeRO-{stage} training",
+        progress=rank == 0,
+    )
     difference = max_param_difference(raw.model, ours.model)
     profiles = (
-        [(side.name, profile_steps(side, args.profile, 25)) for side in sides]
-        if args.profile
-        else []
+        [(side.name, profile_steps(side, args.profile)) for side in sides] if args.profile else []
     )
 
     save_times: dict[str, list[float]] = {}
     load_times: dict[str, list[float]] = {}
     if args.ckpt_rounds:
         stage_root = root / f"zero{stage}"
-        save_counts = {side.name: 0 for side in sides}
-        load_counts = {side.name: 0 for side in sides}
-
-        def save(side: Any) -> float:
-            index = save_counts[side.name]
-            save_counts[side.name] += 1
-            return timed(lambda: side.save(stage_root, index))
-
-        def load(side: Any) -> float:
-            index = load_counts[side.name]
-            load_counts[side.name] += 1
-            return timed(lambda: side.load(stage_root, index))
-
-        for side in sides:  # untimed: first saves and loads pay one-off costs
-            side.save(stage_root / "warmup", 0)
-            side.load(stage_root / "warmup", 0)
-        save_times = interleaved(sides, save, args.ckpt_rounds, f"ZeRO-{stage} save", rank)
-        load_times = interleaved(sides, load, args.ckpt_rounds, f"ZeRO-{stage} load", rank)
+        save_times, load_times = time_checkpoints(
+            sides, stage_root, args.ckpt_rounds, f"ZeRO-{stage}", progress=rank == 0
+        )
         dist.barrier()
         if rank == 0:
             shutil.rmtree(stage_root, ignore_errors=True)
@@ -440,26 +247,14 @@ def measure_stage(
     gc.collect()
 
     def report() -> None:
-        r, o = report_pair(
+        report_overhead(
             f"ZeRO-{stage} training step, median over {args.rounds} rounds:",
             steps[f"raw ZeRO-{stage}"],
             steps[ours.name],
-            "ms/step",
-            1e3 / args.steps,
-        )
-        overhead = (o / r - 1) * 100
-        print(f"  steps/s raw            {args.steps / r:9.2f}")
-        print(f"  steps/s strategy       {args.steps / o:9.2f}")
-        verdict = "met" if overhead < TARGET_PERCENT else "NOT met"
-        print(
-            f"  strategy overhead      {overhead:+9.2f} %   (target < {TARGET_PERCENT:g}%: "
-            f"{verdict})"
-        )
-        cpu_r = statistics.median(cpu[f"raw ZeRO-{stage}"])
-        cpu_o = statistics.median(cpu[ours.name])
-        print(
-            f"  rank-0 CPU time/step   raw {cpu_r * 1e3 / args.steps:.2f}, strategy "
-            f"{cpu_o * 1e3 / args.steps:.2f} ms ({(cpu_o / cpu_r - 1) * 100:+.2f} %)"
+            cpu[f"raw ZeRO-{stage}"],
+            cpu[ours.name],
+            args.steps,
+            TARGET_PERCENT,
         )
         same = "identical" if difference == 0 else "NOT identical"
         print(f"  same math: largest parameter difference after training {difference:.3g} ({same})")
@@ -493,7 +288,10 @@ def compare_backends(
     sides: list[Any] = [fsdp2, *deepspeed_sides]
     timed(fsdp2.step, args.warmup)
     steps = interleaved(
-        sides, lambda side: timed(side.step, args.steps), args.rounds, "FSDP2 vs DeepSpeed", rank
+        {side.name: partial(timed, side.step, args.steps) for side in sides},
+        args.rounds,
+        "FSDP2 vs DeepSpeed",
+        progress=rank == 0,
     )
     scale = 1e3 / args.steps
 
@@ -520,9 +318,7 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--steps", type=int, default=10, help="optimizer steps per side per round")
-    parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds")
-    parser.add_argument("--warmup", type=int, default=3, help="untimed steps per side first")
+    add_round_arguments(parser, rounds=5)
     parser.add_argument(
         "--ckpt-rounds", type=int, default=3, help="checkpoint save/load rounds (0: none)"
     )
@@ -532,27 +328,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--no-fsdp2", action="store_true", help="skip the FSDP2 vs DeepSpeed comparison"
     )
-    parser.add_argument("--dim", type=int, default=256, help="model width")
-    parser.add_argument("--layers", type=int, default=4, help="transformer blocks")
-    parser.add_argument("--heads", type=int, default=4, help="attention heads")
-    parser.add_argument("--seq", type=int, default=64, help="sequence length")
-    parser.add_argument("--micro-batch", type=int, default=4, help="sequences per micro-batch")
-    parser.add_argument("--accum", type=int, default=2, help="micro-batches per optimizer step")
-    parser.add_argument("--max-norm", type=float, default=1.0, help="gradient clipping norm")
-    parser.add_argument("--lr", type=float, default=1e-4, help="learning rate")
-    parser.add_argument("--weight-decay", type=float, default=0.01, help="AdamW weight decay")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument(
-        "--nproc", type=int, default=2, help="processes when re-launching under torchrun"
-    )
-    parser.add_argument(
-        "--profile",
-        type=int,
-        default=0,
-        metavar="STEPS",
-        help="also cProfile STEPS steps of each raw/strategy side on rank 0 and print the "
-        "top functions",
-    )
+    add_model_arguments(parser)
+    add_launch_arguments(parser, profiled="each raw/strategy side")
     args = parser.parse_args()
     try:
         args.stage_list = [int(s) for s in args.stages.split(",") if s.strip()]
@@ -563,34 +340,15 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
-def relaunch(args: argparse.Namespace) -> int:
-    """Run this script under torchrun with ``--nproc`` processes; its exit status."""
-    env = dict(os.environ)
-    env.setdefault("OMP_NUM_THREADS", "1")
-    env.setdefault("DS_ACCELERATOR", "cpu")  # what DeepSpeed detects here, without a warning
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node",
-        str(args.nproc),
-        str(Path(__file__).resolve()),
-        *sys.argv[1:],
-    ]
-    return subprocess.run(command, env=env, check=False).returncode
-
-
 def main() -> None:
     args = parse_args()
-    if "RANK" not in os.environ:
-        sys.exit(relaunch(args))
+    if not under_torchrun():
+        # DS_ACCELERATOR=cpu: what DeepSpeed detects here, without a warning
+        sys.exit(relaunch_under_torchrun(__file__, args.nproc, {"DS_ACCELERATOR": "cpu"}))
 
     # The strategy logs "saved/loaded checkpoint" on rank 0, DeepSpeed its INFO lines on
     # every initialize and checkpoint; keep them out of the figures.
-    quiet = logging.getLogger("lightrft.strategy.print")
-    quiet.addHandler(logging.NullHandler())
-    quiet.propagate = False
+    quiet_logger("lightrft.strategy.print")
     importlib.import_module("deepspeed")
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
     # DeepSpeed's communication layer calls torch's deprecated collective names
@@ -629,13 +387,11 @@ def main() -> None:
                 f"{cfg['gradient_clipping']}, zero_optimization {cfg['zero_optimization']}"
             )
 
-    root_box: list[Any] = [tempfile.mkdtemp(prefix="ds_overhead_") if rank == 0 else None]
-    dist.broadcast_object_list(root_box, src=0)
-    root = Path(root_box[0])
+    root = shared_tempdir("ds_overhead_")
     reports: list[Callable[[], None]] = []
     ours: list[StrategySide] = []
     dist.barrier()
-    run_start = (time.perf_counter(), time.process_time(), machine_busy_seconds())
+    run_start = start_figures()
     try:
         for stage, strategy in zip(args.stage_list, strategies, strict=True):
             side, report = measure_stage(args, stage, strategy, rank, root)
@@ -653,11 +409,7 @@ def main() -> None:
             shutil.rmtree(root, ignore_errors=True)
 
     if rank == 0:
-        if others is not None:
-            print(
-                f"other processes kept {others:.2f} of {os.cpu_count()} CPUs busy on average "
-                "during the run" + (": the figures are noisy" if others > 0.25 else "")
-            )
+        report_other_processes(others)
         for report in reports:
             report()
 
