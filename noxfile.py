@@ -193,7 +193,7 @@ def packages(session: nox.Session) -> None:
 @nox.session(python=DEFAULT_PYTHON)
 def demo(session: nox.Session) -> None:
     """The main job: a small end-to-end training run on CPU (README's first command)."""
-    sync(session, "lightrft-strategy")
+    sync(session, "lightrft-testing")  # the tiny model; it brings lightrft-strategy
     session.run("python", "examples/train_tiny.py", *session.posargs)
 
 

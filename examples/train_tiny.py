@@ -1,7 +1,8 @@
 """A small end-to-end training run on CPU, through a LightRFT strategy.
 
-A two-layer causal transformer learns a token-id task (each next token is the previous
-one plus one, modulo the vocabulary) in seconds. The configuration is layered as in a
+A two-layer causal transformer (``lightrft.testing.models.TinyCausalLM``) learns a
+token-id task (each next token is the previous one plus one, modulo the vocabulary) in
+seconds. The configuration is layered as in a
 real trainer (examples/tiny.yaml < LIGHTRFT_* environment < flags), the strategy comes
 from `get_strategy(config)` (FSDP2 by default), and the run ends with a resumable
 checkpoint and a Hugging Face-format export under --out.
@@ -24,26 +25,10 @@ from torch.utils.data import Dataset
 
 from lightrft.config import ConfigError, StrategyConfig
 from lightrft.strategy import get_strategy
+from lightrft.testing.models import TinyCausalLM
 
 log = logging.getLogger("train_tiny")
 HERE = Path(__file__).parent
-
-
-class TinyCausalLM(nn.Module):
-    def __init__(self, vocab: int, dim: int = 64, layers: int = 2, heads: int = 4, ctx: int = 32):
-        super().__init__()
-        self.embed = nn.Embedding(vocab, dim)
-        self.pos = nn.Parameter(torch.zeros(ctx, dim))
-        block = nn.TransformerEncoderLayer(dim, heads, 4 * dim, dropout=0.0, batch_first=True)
-        self.blocks = nn.TransformerEncoder(block, layers)
-        self.head = nn.Linear(dim, vocab)
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        n = ids.shape[1]
-        mask = nn.Transformer.generate_square_subsequent_mask(n)
-        hidden = self.blocks(self.embed(ids) + self.pos[:n], mask=mask, is_causal=True)
-        # a fresh tensor, not a view: FSDP2 hooks the root module's output for backward
-        return self.head(hidden).clone()
 
 
 class NextTokenTask(Dataset[torch.Tensor]):
@@ -66,7 +51,12 @@ def train(
     strategy = get_strategy(config)
     config.log_summary(rank=strategy.get_rank())
     (model, optim, sched), *_ = strategy.prepare_models_and_optimizers(
-        TinyCausalLM(vocab), None, None, None, None, max_steps=steps
+        TinyCausalLM(vocab, dim=64, layers=2, heads=4, max_len=length),
+        None,
+        None,
+        None,
+        None,
+        max_steps=steps,
     )
     loader = strategy.setup_dataloader(NextTokenTask(4096, vocab, length, config.seed))
     strategy.print(

@@ -9,7 +9,7 @@ from torch import nn
 
 from lightrft.strategy import get_strategy
 
-from .workers import IndexedRegression, TinyNet, config, tiny_qwen2
+from .workers import RegressionTask, TinyRegressor, config, tiny_hf_causal_lm
 
 
 def ds(stage: int, **changes: Any) -> dict[str, Any]:
@@ -24,12 +24,12 @@ def prepare_case(stage: int) -> dict[str, Any]:
     overlay = {"zero_optimization": {"reduce_bucket_size": 123456}, "gradient_clipping": 0.3}
     strategy = get_strategy(ds(stage, deepspeed_config=overlay))
     with strategy.init_model_context():
-        actor, critic, rm1, rm2, initial = (TinyNet() for _ in range(5))
+        actor, critic, rm1, rm2, initial = (TinyRegressor() for _ in range(5))
     (a, a_opt, a_sched), (c, c_opt, c_sched), rewards, ref = strategy.prepare_models_and_optimizers(
         actor, critic, [rm1, rm2], initial, max_steps=4
     )
-    single = strategy.prepare(TinyNet())
-    batches = iter(strategy.setup_dataloader(IndexedRegression()))
+    single = strategy.prepare(TinyRegressor())
+    batches = iter(strategy.setup_dataloader(RegressionTask()))
     stepped = []
     for _ in range(strategy.accumulated_gradient):
         _, x, y = next(batches)
@@ -66,7 +66,7 @@ def save_model_case(out_dir: str, stage: int) -> dict[str, Any]:
     step, save_model, and return the engine's logits."""
     strategy = get_strategy(ds(stage, train_batch_size=2, micro_train_batch_size=1))
     with strategy.init_model_context():
-        model = tiny_qwen2()
+        model = tiny_hf_causal_lm()
     partitioned = all(hasattr(p, "ds_id") for p in model.parameters())
     (actor, optim, _), *_ = strategy.prepare_models_and_optimizers(
         model, None, None, None, None, 10
@@ -90,7 +90,7 @@ def nonfinite_case(stage: int, precision: str) -> dict[str, Any]:
         ds(stage, precision=precision, train_batch_size=4, lr_scheduler="linear")
     )
     (actor, optim, sched), *_ = strategy.prepare_models_and_optimizers(
-        TinyNet(), None, None, None, None, 10
+        TinyRegressor(), None, None, None, None, 10
     )
     x, y = torch.randn(2, 16), torch.randn(2, 4)
     before = {k: v.clone() for k, v in strategy.full_state_dict(actor).items()}
@@ -125,7 +125,7 @@ def teardown_case(stage: int, save_dir: str) -> int:
     """One short ZeRO job: build, step, checkpoint, close. Returns the step count."""
     strategy = get_strategy(ds(stage, train_batch_size=4))
     with strategy.init_model_context():
-        model = TinyNet()
+        model = TinyRegressor()
     (actor, optim, sched), *_ = strategy.prepare_models_and_optimizers(
         model, None, None, None, None, 10
     )
@@ -143,7 +143,7 @@ def load_case(stage: int, load_dir: str) -> str:
     """Try to load ``load_dir`` into a fresh ZeRO-``stage`` actor; return the error."""
     strategy = get_strategy(ds(stage))
     (actor, _, _), *_ = strategy.prepare_models_and_optimizers(
-        TinyNet(), None, None, None, None, 10
+        TinyRegressor(), None, None, None, None, 10
     )
     try:
         strategy.load_ckpt(actor, load_dir)

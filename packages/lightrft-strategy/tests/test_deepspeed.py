@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -86,7 +87,8 @@ def test_resume_is_bit_exact_with_dropout_and_a_mid_epoch_loader(
     stage: int, tmp_path: Path
 ) -> None:
     cfg = ds_workers.ds(stage, lr_warmup_ratio=0.5, lr_scheduler="cosine_with_min_lr")
-    run = {"dropout": 0.1, "total_steps": 6, "init_process_group": False, "timeout": 300}
+    net = partial(workers.TinyRegressor, dropout=0.1)
+    run = {"model": net, "max_steps": 6, "init_process_group": False, "timeout": 300}
     full = run_distributed(workers.train, 2, cfg, 6, **run)
     first = run_distributed(workers.train, 2, cfg, 3, save_dir=str(tmp_path), **run)
     second = run_distributed(workers.train, 2, cfg, 3, load_dir=str(tmp_path), **run)
@@ -157,7 +159,7 @@ def test_prepare_shapes_configs_and_overlay(stage: int) -> None:
     facts = run_distributed(ds_workers.prepare_case, 2, stage, init_process_group=False)[0]
     assert facts["engines"] == [True] * 6
     assert facts["eval_mode"] == [True] * 4
-    assert facts["unwrapped"] == "TinyNet"
+    assert facts["unwrapped"] == "TinyRegressor"
     assert facts["train_stage"] == stage
     assert facts["eval_stage"] == (3 if stage == 3 else 0)
     assert facts["bucket"] == 123456  # the user's overlay reached the engine
@@ -235,7 +237,7 @@ def test_deepspeed_engine_files_are_read_without_arbitrary_unpickling(tmp_path: 
 
 def test_zero3_load_model_gathers_nothing_wrong_and_refuses_bad_files(tmp_path: Path) -> None:
     torch.manual_seed(5)
-    source = workers.TinyNet()
+    source = workers.TinyRegressor()
     weights = tmp_path / "weights.pt"
     torch.save(source.state_dict(), weights)
     cfg = workers.config(backend="deepspeed", zero_stage=3)

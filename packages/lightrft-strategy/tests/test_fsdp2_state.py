@@ -98,7 +98,7 @@ def test_load_model_reads_full_weights_and_refuses_bad_files_unchanged(
     tmp_path: Path, prepared: bool
 ) -> None:
     torch.manual_seed(5)
-    source = workers.TinyNet()
+    source = workers.TinyRegressor()
     weights = tmp_path / "weights.pt"
     torch.save(source.state_dict(), weights)
     ranks = run_distributed(

@@ -4,6 +4,7 @@ resharding on load. Tolerances: fp32 throughout; parity within rtol 1e-5 / atol 
 
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -62,7 +63,8 @@ def test_hsdp_on_four_ranks_matches_unsharded_training() -> None:
 def test_resume_is_bit_exact_with_dropout_and_a_mid_epoch_loader(tmp_path: Path) -> None:
     # warmup then cosine over the 6 steps: a scheduler that is not restored shows
     cfg = workers.config(lr_scheduler="cosine_with_min_lr", lr_warmup_ratio=0.34)
-    run = {"dropout": 0.2, "total_steps": 6, "init_process_group": False}
+    net = partial(workers.TinyRegressor, dropout=0.2)
+    run = {"model": net, "max_steps": 6, "init_process_group": False}
     full = run_distributed(workers.train, 2, cfg, 6, **run)
     first = run_distributed(workers.train, 2, cfg, 3, save_dir=str(tmp_path), **run)
     second = run_distributed(workers.train, 2, cfg, 3, load_dir=str(tmp_path), **run)

@@ -5,6 +5,7 @@ They fail, not skip, when CUDA is missing: selecting them says a GPU is expected
 
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -35,11 +36,10 @@ def test_fsdp2_on_cuda_matches_unsharded_training() -> None:
 def test_cuda_resume_and_optimizer_offload(tmp_path: Path) -> None:
     world = min(2, _gpus())
     cfg = workers.config(device="cuda", train_batch_size=4 * world, micro_train_batch_size=2)
-    full = run_distributed(workers.train, world, cfg, 4, dropout=0.1, init_process_group=False)
-    run_distributed(workers.train, world, cfg, 2, dropout=0.1, save_dir=str(tmp_path),
-                    init_process_group=False)  # fmt: skip
-    second = run_distributed(workers.train, world, cfg, 2, dropout=0.1, load_dir=str(tmp_path),
-                             init_process_group=False)  # fmt: skip
+    run = {"model": partial(workers.TinyRegressor, dropout=0.1), "init_process_group": False}
+    full = run_distributed(workers.train, world, cfg, 4, **run)
+    run_distributed(workers.train, world, cfg, 2, save_dir=str(tmp_path), **run)
+    second = run_distributed(workers.train, world, cfg, 2, load_dir=str(tmp_path), **run)
     workers.assert_states_close(second[0]["state"], full[0]["state"], rtol=0, atol=0)
     moved = run_distributed(workers.offload_case, 1, init_process_group=False)[0]
     assert moved == {"offloaded": "cpu", "reloaded": "cuda", "unchanged": True}

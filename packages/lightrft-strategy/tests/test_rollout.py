@@ -21,7 +21,7 @@ def _single(**fields: object) -> FSDP2Strategy:
 
 def test_weight_sync_sends_every_parameter_in_buckets_with_mapped_names() -> None:
     strategy = _single()
-    model = workers.TinyNet()
+    model = workers.TinyRegressor()
     engine = strategy.setup_inference_engine(FakeEngine())
     counts = strategy.update_engine_weights(
         model,
@@ -45,7 +45,7 @@ def test_generations_follow_the_synced_weights() -> None:
     """FakeEngine's generations are a function of the weights it holds: a sync of the
     same weights leaves them as they were, a changed weight changes them."""
     strategy = _single()
-    model = workers.TinyNet()
+    model = workers.TinyRegressor()
     strategy.setup_inference_engine(FakeEngine())
     sampling = SamplingParams(max_new_tokens=8, n=2, seed=1)
     prompts = [[1, 2, 3], [4]]
@@ -55,7 +55,7 @@ def test_generations_follow_the_synced_weights() -> None:
     assert synced != unsynced
     strategy.update_engine_weights(model, bucket_bytes=3000)  # same weights, other buckets
     assert strategy.gather_and_generate(prompts, sampling) == synced
-    copy = workers.TinyNet()
+    copy = workers.TinyRegressor()
     copy.load_state_dict(model.state_dict())
     other = _single()
     other.setup_inference_engine(FakeEngine())
@@ -78,7 +78,7 @@ def test_generations_follow_the_synced_weights() -> None:
 
 def test_a_mismatched_weight_name_is_an_error_naming_it() -> None:
     strategy = _single()
-    model = workers.TinyNet()
+    model = workers.TinyRegressor()
     engine = FakeEngine(expected_weights=[n for n, _ in model.named_parameters()])
     strategy.setup_inference_engine(engine)
     with pytest.raises(EngineError, match=r"no parameter 'model.layers.0.norm.weight'.*name_map"):
@@ -90,7 +90,7 @@ def test_a_mismatched_weight_name_is_an_error_naming_it() -> None:
 
 def test_sleep_levels_follow_config_and_stale_weights_are_refused() -> None:
     strategy = _single(enable_engine_sleep=True, engine_sleep_level=2)
-    model = workers.TinyNet()
+    model = workers.TinyRegressor()
     engine = strategy.setup_inference_engine(FakeEngine())
     assert strategy.maybe_sleep_inference_engine() is True
     with pytest.raises(EngineError, match="asleep"):

@@ -265,7 +265,7 @@ def test_cuda_requested_without_cuda_is_an_error() -> None:
 
 # -- optimizer and schedule ------------------------------------------------------------
 def test_weight_decay_excludes_biases_and_norms() -> None:
-    model = workers.TinyNet()
+    model = workers.TinyRegressor()
     decay, no_decay = parameter_groups(model, 0.1)
     names = {id(p): n for n, p in model.named_parameters()}
     decayed = {names[id(p)] for p in decay["params"]}
@@ -304,8 +304,8 @@ def _grads_step(
 
 def test_accumulation_steps_only_on_boundaries_and_per_model(fsdp2: StrategyBase) -> None:
     assert fsdp2.accumulated_gradient == 4  # 8 / (2 x 1 rank)
-    actor = fsdp2.prepare_model(workers.TinyNet(), is_training=True)
-    critic = fsdp2.prepare_model(workers.TinyNet(), is_training=True)
+    actor = fsdp2.prepare_model(workers.TinyRegressor(), is_training=True)
+    critic = fsdp2.prepare_model(workers.TinyRegressor(), is_training=True)
     a_opt, c_opt = fsdp2.create_optimizer(actor), fsdp2.create_optimizer(critic)
     stepped = [_grads_step(fsdp2, actor, a_opt, 1.0) for _ in range(3)]
     assert _grads_step(fsdp2, critic, c_opt, 1.0) is False  # critic counts on its own
@@ -317,7 +317,7 @@ def test_accumulation_steps_only_on_boundaries_and_per_model(fsdp2: StrategyBase
 
 
 def test_non_finite_gradients_skip_the_step(fsdp2: StrategyBase) -> None:
-    model = fsdp2.prepare_model(workers.TinyNet(), is_training=True)
+    model = fsdp2.prepare_model(workers.TinyRegressor(), is_training=True)
     optim = fsdp2.create_optimizer(model)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     results = [_grads_step(fsdp2, model, optim, math.inf) for _ in range(4)]
@@ -330,7 +330,7 @@ def test_non_finite_gradients_skip_the_step(fsdp2: StrategyBase) -> None:
 
 
 def test_clipping_uses_one_global_norm(fsdp2: StrategyBase) -> None:
-    model = fsdp2.prepare_model(workers.TinyNet(), is_training=True)
+    model = fsdp2.prepare_model(workers.TinyRegressor(), is_training=True)
     optim = torch.optim.SGD(model.parameters(), lr=1.0)
     for _ in range(3):
         fsdp2.backward(model(torch.ones(2, workers.DIM)).pow(2).mean() * 100, model, optim)
@@ -356,7 +356,7 @@ def test_max_norm_zero_or_negative_disables_clipping(max_norm: float) -> None:
     gradient's scale, so it would not show a clip.)"""
     with get_strategy(workers.config(max_norm=max_norm, train_batch_size=2)) as strategy:
         assert strategy.max_norm == max_norm and strategy.accumulated_gradient == 1
-        reference = workers.TinyNet()
+        reference = workers.TinyRegressor()
         model = strategy.prepare_model(copy.deepcopy(reference), is_training=True)
         optim = torch.optim.SGD(model.parameters(), lr=1e-3)
         ref_optim = torch.optim.SGD(reference.parameters(), lr=1e-3)
@@ -388,7 +388,7 @@ def test_optimizer_offload_round_trip_is_harmless_on_cpu() -> None:
 
     def run(offload: bool) -> tuple[dict[str, torch.Tensor], list[dict[str, torch.Tensor]]]:
         with get_strategy(workers.config()) as strategy:
-            model = strategy.prepare_model(workers.TinyNet(), is_training=True)
+            model = strategy.prepare_model(workers.TinyRegressor(), is_training=True)
             optim = strategy.create_optimizer(model)
             for _ in range(4):
                 _grads_step(strategy, model, optim, 1.0)
@@ -420,7 +420,7 @@ def test_optimizer_offload_round_trip_is_harmless_on_cpu() -> None:
 def test_optimizer_state_moves_where_it_is_sent_and_not_under_adam_offload(
     fsdp2: StrategyBase,
 ) -> None:
-    model = fsdp2.prepare_model(workers.TinyNet(), is_training=True)
+    model = fsdp2.prepare_model(workers.TinyRegressor(), is_training=True)
     optim = fsdp2.create_optimizer(model)
     for _ in range(4):
         _grads_step(fsdp2, model, optim, 1.0)
@@ -434,17 +434,19 @@ def test_optimizer_state_moves_where_it_is_sent_and_not_under_adam_offload(
 
 
 def test_prepare_shapes(fsdp2: StrategyBase) -> None:
-    model, opt, sched = workers.TinyNet(), None, None
+    model, opt, sched = workers.TinyRegressor(), None, None
     opt = torch.optim.AdamW(model.parameters())
     triple = fsdp2.prepare((model, opt, sched))
     assert isinstance(triple, tuple) and triple[0] is model
     assert all(p.__class__.__name__ == "DTensor" for g in opt.param_groups for p in g["params"])
-    several = fsdp2.prepare(workers.TinyNet(), None, workers.TinyNet())
+    several = fsdp2.prepare(workers.TinyRegressor(), None, workers.TinyRegressor())
     assert isinstance(several, list) and several[1] is None and not several[0].training
     with pytest.raises(ValueError, match=r"takes \(model, optimizer, scheduler\) triples"):
-        fsdp2.prepare((workers.TinyNet(), opt))
+        fsdp2.prepare((workers.TinyRegressor(), opt))
     (actor, a_opt, a_sched), critic, rewards, _ = fsdp2.prepare_models_and_optimizers(
-        workers.TinyNet(), None, [workers.TinyNet(), workers.TinyNet()], workers.TinyNet(), None, 10
+        *(workers.TinyRegressor(), None),
+        [workers.TinyRegressor() for _ in range(2)],
+        *(workers.TinyRegressor(), None, 10),
     )
     assert critic == (None, None, None)
     assert isinstance(rewards, list) and len(rewards) == 2
@@ -485,9 +487,9 @@ def test_loading_a_checkpoint_into_another_model_names_the_mismatch(
 ) -> None:
     from lightrft.strategy import CheckpointError
 
-    small = fsdp2.prepare_model(workers.TinyNet(blocks=2), is_training=True)
+    small = fsdp2.prepare_model(workers.TinyRegressor(blocks=2), is_training=True)
     fsdp2.save_ckpt(small, tmp_path, tag="small", optimizer=fsdp2.create_optimizer(small))
-    bigger = fsdp2.prepare_model(workers.TinyNet(blocks=3), is_training=True)
+    bigger = fsdp2.prepare_model(workers.TinyRegressor(blocks=3), is_training=True)
     with pytest.raises(CheckpointError, match=r"does not fit this model.*layers\.2"):
         fsdp2.load_ckpt(bigger, tmp_path, load_optimizer_states=False)
 
@@ -522,7 +524,7 @@ def test_report_memory_and_cache_clearing_work_on_cpu(
 def test_checkpoint_holds_optimizer_from_create_optimizer_and_client_state(
     fsdp2: StrategyBase, tmp_path: Path
 ) -> None:
-    model = fsdp2.prepare_model(workers.TinyNet(), is_training=True)
+    model = fsdp2.prepare_model(workers.TinyRegressor(), is_training=True)
     optim = fsdp2.create_optimizer(model)
     sched = fsdp2.create_scheduler(optim, 10)
     assert fsdp2.optimizer_of(model) == (optim, sched)
@@ -538,7 +540,7 @@ def test_checkpoint_holds_optimizer_from_create_optimizer_and_client_state(
 def test_saving_before_the_first_step_leaves_the_optimizer_fresh(
     fsdp2: StrategyBase, tmp_path: Path
 ) -> None:
-    model = fsdp2.prepare_model(workers.TinyNet(), is_training=True)
+    model = fsdp2.prepare_model(workers.TinyRegressor(), is_training=True)
     optim = fsdp2.create_optimizer(model)
     fsdp2.save_ckpt(model, tmp_path, tag="init")
     assert not optim.state  # torch's state-dict helper would have stepped it
@@ -549,9 +551,9 @@ def test_saving_before_the_first_step_leaves_the_optimizer_fresh(
 def test_load_module_only_restores_weights_and_nothing_else(
     fsdp2: StrategyBase, tmp_path: Path
 ) -> None:
-    model = fsdp2.prepare_model(workers.TinyNet(), is_training=True)
+    model = fsdp2.prepare_model(workers.TinyRegressor(), is_training=True)
     optim = fsdp2.create_optimizer(model)
-    loader = fsdp2.setup_dataloader(workers.IndexedRegression(), batch_size=2)
+    loader = fsdp2.setup_dataloader(workers.RegressionTask(), batch_size=2)
     batches = iter(loader)
     for _ in range(4):
         next(batches)
@@ -559,9 +561,9 @@ def test_load_module_only_restores_weights_and_nothing_else(
     fsdp2.save_ckpt(model, tmp_path)
     saved = fsdp2.full_state_dict(model)
 
-    fresh = fsdp2.prepare_model(workers.TinyNet(), is_training=True)
+    fresh = fsdp2.prepare_model(workers.TinyRegressor(), is_training=True)
     fresh_optim = fsdp2.create_optimizer(fresh)
-    fresh_loader = fsdp2.setup_dataloader(workers.IndexedRegression(), batch_size=2)
+    fresh_loader = fsdp2.setup_dataloader(workers.RegressionTask(), batch_size=2)
     fsdp2.load_ckpt(fresh, tmp_path, load_module_only=True)
     workers.assert_states_close(fsdp2.full_state_dict(fresh), saved, rtol=0, atol=0)
     assert fresh_loader.state_dict()["consumed_samples"] == 0
@@ -570,23 +572,23 @@ def test_load_module_only_restores_weights_and_nothing_else(
 
 
 def test_a_loader_created_after_loading_resumes_too(fsdp2: StrategyBase, tmp_path: Path) -> None:
-    model = fsdp2.prepare_model(workers.TinyNet(), is_training=True)
+    model = fsdp2.prepare_model(workers.TinyRegressor(), is_training=True)
     fsdp2.create_optimizer(model)
-    loader = fsdp2.setup_dataloader(workers.IndexedRegression(), batch_size=2)
+    loader = fsdp2.setup_dataloader(workers.RegressionTask(), batch_size=2)
     batches = iter(loader)
     for _ in range(3):
         next(batches)
     fsdp2.save_ckpt(model, tmp_path, tag="t")
     del loader, batches
     fsdp2.load_ckpt(model, tmp_path)
-    late = fsdp2.setup_dataloader(workers.IndexedRegression(), batch_size=2)
+    late = fsdp2.setup_dataloader(workers.RegressionTask(), batch_size=2)
     assert late.state_dict()["consumed_samples"] == 6
 
 
 def test_rotation_never_deletes_the_checkpoint_latest_names(
     fsdp2: StrategyBase, tmp_path: Path
 ) -> None:
-    model = fsdp2.prepare_model(workers.TinyNet(), is_training=True)
+    model = fsdp2.prepare_model(workers.TinyRegressor(), is_training=True)
     fsdp2.create_optimizer(model)
     fsdp2.save_ckpt(model, tmp_path, tag="step1")
     fsdp2.save_ckpt(model, tmp_path, tag="best", save_latest=False, max_num=1)
@@ -599,7 +601,7 @@ def test_save_refuses_to_replace_a_foreign_directory_and_bad_max_num(
 ) -> None:
     from lightrft.strategy import CheckpointError
 
-    model = fsdp2.prepare_model(workers.TinyNet(), is_training=True)
+    model = fsdp2.prepare_model(workers.TinyRegressor(), is_training=True)
     (tmp_path / "final").mkdir()
     (tmp_path / "final" / "model.safetensors").write_bytes(b"an export")
     with pytest.raises(CheckpointError, match="is not a LightRFT checkpoint"):
@@ -628,7 +630,7 @@ def test_offload_model_and_reload_model_leave_the_models_of_a_cpu_job_in_place(
         moves: list[nn.Module] = []
         move = strategy._move_model
         monkeypatch.setattr(strategy, "_move_model", lambda m, d: (moves.append(m), move(m, d)))
-        sharded = strategy.prepare_model(workers.TinyNet(), is_training=True)
+        sharded = strategy.prepare_model(workers.TinyRegressor(), is_training=True)
         models = [torch.nn.Linear(3, 3), sharded]
         params = [list(m.parameters()) for m in models]
         before = [[_full(p.detach()).clone() for p in ps] for ps in params]

@@ -1,60 +1,23 @@
-"""Rank functions and reference computations for the distributed tests.
+"""Rank functions for the distributed tests of lightrft-strategy.
 
 They live in an importable module so the launcher's spawned processes can find them.
+The model, task, training loop and single-process reference are lightrft.testing's
+(:mod:`lightrft.testing.models`, :mod:`lightrft.testing.harness`).
 """
 
 from __future__ import annotations
 
-from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.data import Dataset
 
 from lightrft.strategy import get_strategy
+from lightrft.testing.harness import assert_states_close, reference, train  # noqa: F401
+from lightrft.testing.models import RegressionTask, TinyRegressor, tiny_hf_causal_lm
 
-DIM = 16
-
-
-class Block(nn.Module):
-    def __init__(self, dropout: float) -> None:
-        super().__init__()
-        self.norm = nn.LayerNorm(DIM)
-        self.up = nn.Linear(DIM, 2 * DIM)
-        self.down = nn.Linear(2 * DIM, DIM)
-        self.drop = nn.Dropout(dropout)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.drop(self.down(torch.nn.functional.gelu(self.up(self.norm(x)))))
-
-
-class TinyNet(nn.Module):
-    """Residual MLP blocks in an nn.ModuleList, so FSDP2 shards block by block."""
-
-    def __init__(self, dropout: float = 0.0, blocks: int = 3) -> None:
-        super().__init__()
-        self.layers = nn.ModuleList([Block(dropout) for _ in range(blocks)])
-        self.head = nn.Linear(DIM, 4)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for layer in self.layers:
-            x = layer(x)
-        return self.head(x)
-
-
-class IndexedRegression(Dataset[tuple[int, torch.Tensor, torch.Tensor]]):
-    def __init__(self, size: int = 128) -> None:
-        gen = torch.Generator().manual_seed(1234)
-        self.x = torch.randn(size, DIM, generator=gen)
-        self.y = self.x[:, :4] * 3.0 + 0.1 * torch.randn(size, 4, generator=gen)
-
-    def __len__(self) -> int:
-        return len(self.x)
-
-    def __getitem__(self, i: int) -> tuple[int, torch.Tensor, torch.Tensor]:
-        return i, self.x[i], self.y[i]
+DIM = 16  # TinyRegressor's default width
 
 
 def config(**changes: Any) -> dict[str, Any]:
@@ -75,145 +38,10 @@ def config(**changes: Any) -> dict[str, Any]:
     return base
 
 
-def train(
-    cfg: dict[str, Any],
-    steps: int,
-    *,
-    dropout: float = 0.0,
-    save_dir: str | None = None,
-    load_dir: str | None = None,
-    total_steps: int = 100,
-    meta_init: bool = False,
-    ema_beta: float | None = None,
-    init_context: bool = True,
-    defer_setup: bool = False,
-) -> dict[str, Any]:
-    """Train ``steps`` optimizer steps; optionally resume from ``load_dir`` first and
-    save to ``save_dir`` after. Returns losses, sample indices used, grad norms, and
-    (rank 0) the full final state dict. With ``ema_beta``, also the EMA after each
-    step of (a) a model built and prepared like the actor (sharded or partitioned
-    alike) and (b) a plain module, both starting from the actor's initial weights.
-    With ``defer_setup``, the strategy is built deferred and set up explicitly."""
-    strategy = get_strategy(cfg, defer_setup=defer_setup)
-    if defer_setup:
-        assert not strategy.is_ready
-        strategy.setup_distributed()
-    if meta_init:  # ranks would build different weights: only rank 0's may survive
-        torch.manual_seed(cfg["seed"] + strategy.get_rank())
-    with strategy.init_model_context(meta_init=meta_init) if init_context else nullcontext():
-        model = TinyNet(dropout)
-    built_on_meta = any(p.is_meta for p in model.parameters())
-    emas: dict[str, nn.Module] = {}
-    if ema_beta is not None:
-        for name in ("prepared", "plain"):
-            torch.manual_seed(cfg["seed"])  # the actor's initial weights
-            with strategy.init_model_context() if name == "prepared" else nullcontext():
-                emas[name] = TinyNet(dropout)
-        emas["prepared"] = strategy.prepare_model(emas["prepared"])
-    (actor, optim, sched), *_ = strategy.prepare_models_and_optimizers(
-        model, None, None, None, None, max_steps=total_steps
-    )
-    loader = strategy.setup_dataloader(IndexedRegression())
-    if load_dir is not None:
-        strategy.load_ckpt(actor, load_dir)
-    batches = iter(loader)
-    losses, used, norms = [], [], []
-    for _ in range(steps):
-        micro_losses = []
-        for _ in range(strategy.accumulated_gradient):
-            index, x, y = next(batches)
-            x, y = x.to(strategy.device), y.to(strategy.device)
-            loss = nn.functional.mse_loss(actor(x), y)
-            strategy.backward(loss, actor, optim)
-            if strategy.optimizer_step(optim, actor, sched):
-                for ema in emas.values():
-                    strategy.moving_average(actor, ema, ema_beta or 0.0)
-            micro_losses.append(loss.detach())
-            used.append(index.tolist())
-        losses.append(float(strategy.all_reduce(torch.stack(micro_losses).mean().cpu())))
-        norms.append(strategy.step_state(actor).last_grad_norm)
-    if save_dir is not None:
-        strategy.save_ckpt(actor, save_dir)
-    state = strategy.full_state_dict(actor)
-    ema_states: dict[str, Any] = {}
-    if emas:
-        ema_states["sharded"] = any(
-            hasattr(p, "ds_id") or type(p).__name__ == "DTensor"
-            for p in emas["prepared"].parameters()
-        )  # full_state_dict is collective: every rank calls it
-        ema_states["prepared"] = strategy.full_state_dict(emas["prepared"])
-        ema_states["plain"] = {k: v.detach().clone() for k, v in emas["plain"].state_dict().items()}
-    rank = strategy.get_rank()
-    strategy.close()
-    return {
-        "ema": ema_states if rank == 0 else None,
-        "losses": losses,
-        "used": used,
-        "norms": norms,
-        "state": state if rank == 0 else None,
-        "built_on_meta": built_on_meta,
-        "lr": sched.get_last_lr()[0],
-    }
-
-
-def reference(
-    cfg: dict[str, Any],
-    steps: int,
-    used_by_rank: list[list[list[int]]],
-    ema_beta: float | None = None,
-    init_context: bool = True,
-) -> dict[str, Any]:
-    """The same training in one process with plain torch: every rank's micro-batches,
-    summed with weight 1 / (micro-batches x ranks), clipped, stepped (and the EMA of
-    the parameters after each step, with ``ema_beta``)."""
-    torch.manual_seed(cfg["seed"])
-    model = TinyNet()
-    ema = {n: p.detach().clone() for n, p in model.named_parameters()}
-    data = IndexedRegression()
-    decay = [p for p in model.parameters() if p.ndim > 1]
-    no_decay = [p for p in model.parameters() if p.ndim <= 1]
-    optim = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": cfg["l2"]}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=cfg["actor_learning_rate"],
-        betas=(0.9, 0.95),
-    )
-    world = len(used_by_rank)
-    accum = len(used_by_rank[0]) // steps
-    losses = []
-    for step in range(steps):
-        total = 0.0
-        for k in range(accum):
-            for rank in range(world):
-                index = used_by_rank[rank][step * accum + k]
-                loss = nn.functional.mse_loss(model(data.x[index]), data.y[index])
-                (loss / (accum * world)).backward()
-                total += loss.item() / (accum * world)
-        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg["max_norm"])
-        optim.step()
-        optim.zero_grad()
-        losses.append(total)
-        if ema_beta is not None:
-            for name, param in model.named_parameters():
-                ema[name] = ema_beta * ema[name] + (1 - ema_beta) * param.detach()
-    return {
-        "ema": ema,
-        "losses": losses,
-        "state": {k: v.detach().clone() for k, v in model.state_dict().items()},
-    }
-
-
-def assert_states_close(
-    a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], **tol: float
-) -> None:
-    assert a.keys() == b.keys(), sorted(set(a) ^ set(b))
-    for name in a:
-        torch.testing.assert_close(a[name], b[name], msg=lambda m, n=name: f"{n}: {m}", **tol)
-
-
 def load_full_checkpoint(cfg: dict[str, Any], load_dir: str) -> dict[str, Any]:
     """Load ``load_dir`` at this run's world size; return rank 0's full model state."""
     strategy = get_strategy(cfg)
-    model = TinyNet()
+    model = TinyRegressor()
     (actor, _, _), *_ = strategy.prepare_models_and_optimizers(
         model, None, None, None, None, max_steps=100
     )
@@ -252,16 +80,16 @@ def ema_case(steps: int = 3, beta: float = 0.9) -> dict[str, Any]:
     """EMA of a sharded model into (a) a model sharded the same way and (b) a plain
     module, against EMA computed on full tensors."""
     strategy = get_strategy(config())
-    model = TinyNet()
+    model = TinyRegressor()
     expected = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    sharded_ema, plain_ema = TinyNet(), TinyNet()  # both start as copies of the model
+    sharded_ema, plain_ema = TinyRegressor(), TinyRegressor()  # both start as copies of the model
     sharded_ema.load_state_dict(expected)
     plain_ema.load_state_dict(expected)
     sharded_ema = strategy.prepare_model(sharded_ema)
     (actor, optim, _), *_ = strategy.prepare_models_and_optimizers(
         model, None, None, None, None, 10
     )
-    batches = iter(strategy.setup_dataloader(IndexedRegression()))
+    batches = iter(strategy.setup_dataloader(RegressionTask()))
     for _ in range(steps * strategy.accumulated_gradient):
         _, x, y = next(batches)
         strategy.backward(nn.functional.mse_loss(actor(x), y), actor, optim)
@@ -274,7 +102,7 @@ def ema_case(steps: int = 3, beta: float = 0.9) -> dict[str, Any]:
     sharded = {n: p.full_tensor() for n, p in sharded_ema.named_parameters()}  # type: ignore[attr-defined]
     plain = {n: p.detach().clone() for n, p in plain_ema.named_parameters()}
     strategy.close()
-    params = {n for n, _ in TinyNet().named_parameters()}
+    params = {n for n, _ in TinyRegressor().named_parameters()}
     return {
         "sharded": sharded,
         "plain": plain,
@@ -282,23 +110,12 @@ def ema_case(steps: int = 3, beta: float = 0.9) -> dict[str, Any]:
     }
 
 
-def tiny_qwen2() -> nn.Module:
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    cfg = Qwen2Config(
-        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64,
-        tie_word_embeddings=True,
-    )  # fmt: skip
-    return Qwen2ForCausalLM(cfg)
-
-
 def save_model_case(out_dir: str) -> dict[str, Any]:
     """Train a tiny HF model a step under FSDP2 (sharded per decoder layer via
     _no_split_modules), save_model, and return the sharded model's logits."""
     strategy = get_strategy(config(train_batch_size=2, micro_train_batch_size=1))
     (actor, optim, _), *_ = strategy.prepare_models_and_optimizers(
-        tiny_qwen2(), None, None, None, None, 10
+        tiny_hf_causal_lm(), None, None, None, None, 10
     )
     ids = torch.arange(16).reshape(1, 16) % 128
     loss = actor(input_ids=ids, labels=ids).loss
@@ -318,9 +135,9 @@ def save_model_case(out_dir: str) -> dict[str, Any]:
 def rotation_case(save_dir: str, saves: int, max_num: int) -> list[str]:
     strategy = get_strategy(config())
     (actor, optim, _), *_ = strategy.prepare_models_and_optimizers(
-        TinyNet(), None, None, None, None, 10
+        TinyRegressor(), None, None, None, None, 10
     )
-    batches = iter(strategy.setup_dataloader(IndexedRegression()))
+    batches = iter(strategy.setup_dataloader(RegressionTask()))
     tags = []
     for _ in range(saves):
         for _ in range(strategy.accumulated_gradient):
@@ -341,7 +158,7 @@ def killed_save_case(save_dir: str, kill_in: str) -> None:
 
     strategy = get_strategy(config())
     (actor, optim, _), *_ = strategy.prepare_models_and_optimizers(
-        TinyNet(), None, None, None, None, 10
+        TinyRegressor(), None, None, None, None, 10
     )
     for _ in range(strategy.accumulated_gradient):
         strategy.backward(actor(torch.ones(2, DIM)).pow(2).mean(), actor, optim)
@@ -376,7 +193,7 @@ def offload_case() -> dict[str, Any]:
     back unchanged (CUDA only: on CPU both are where they started)."""
     strategy = get_strategy(config(device="cuda", train_batch_size=2, micro_train_batch_size=2))
     (actor, optim, _), *_ = strategy.prepare_models_and_optimizers(
-        TinyNet(), None, None, None, None, 10
+        TinyRegressor(), None, None, None, None, 10
     )
     strategy.backward(actor(torch.ones(2, DIM, device="cuda")).pow(2).mean(), actor, optim)
     strategy.optimizer_step(optim, actor, None)
@@ -395,7 +212,7 @@ def rank0_fails_while_saving_case(save_dir: str) -> str:
     """Rank 0 fails writing its part of a checkpoint: every rank must raise, none hang."""
     strategy = get_strategy(config())
     (actor, _, sched), *_ = strategy.prepare_models_and_optimizers(
-        TinyNet(), None, None, None, None, 10
+        TinyRegressor(), None, None, None, None, 10
     )
     strategy.save_ckpt(actor, save_dir, tag="good")
     if strategy.get_rank() == 0:
@@ -419,9 +236,9 @@ def offload_model_case(cfg: dict[str, Any], offload: bool) -> dict[str, Any]:
     accelerator memory before and after, and the losses (equal to a run without)."""
     strategy = get_strategy(cfg)
     (actor, optim, sched), *_ = strategy.prepare_models_and_optimizers(
-        TinyNet(), None, None, None, None, 10
+        TinyRegressor(), None, None, None, None, 10
     )
-    batches = iter(strategy.setup_dataloader(IndexedRegression()))
+    batches = iter(strategy.setup_dataloader(RegressionTask()))
     losses, memory = [], []
     for _ in range(2):
         for _ in range(strategy.accumulated_gradient):
@@ -452,9 +269,9 @@ def rollout_case(cfg: dict[str, Any], leader_only: bool) -> dict[str, Any]:
 
     strategy = get_strategy(cfg)
     with strategy.init_model_context():
-        model = TinyNet()
+        model = TinyRegressor()
     (actor, _, _), *_ = strategy.prepare_models_and_optimizers(model, None, None, None, None, 10)
-    names = [n for n, _ in TinyNet().named_parameters()]
+    names = [n for n, _ in TinyRegressor().named_parameters()]
     engine = FakeEngine(expected_weights=names, generate_on_every_rank=not leader_only)
     strategy.setup_inference_engine(engine)
     rank = strategy.get_rank()
@@ -506,7 +323,7 @@ DEFERRED_USES: dict[str, Any] = {
     "create_optimizer": lambda s, m: s.create_optimizer(m),
     "backward": lambda s, m: s.backward(m(torch.ones(2, DIM)).sum(), m, None),
     "optimizer_step": lambda s, m: s.optimizer_step(None, m, None),
-    "setup_dataloader": lambda s, m: s.setup_dataloader(IndexedRegression()),
+    "setup_dataloader": lambda s, m: s.setup_dataloader(RegressionTask()),
     "save_ckpt": lambda s, m: s.save_ckpt(m, "never-written"),
     "load_ckpt": lambda s, m: s.load_ckpt(m, "never-read"),
     "all_reduce": lambda s, m: s.all_reduce(1.0),
@@ -525,7 +342,7 @@ def deferred_use_case(cfg: dict[str, Any]) -> dict[str, Any]:
     errors: dict[str, str | None] = {}
     for name, use in DEFERRED_USES.items():
         try:
-            use(strategy, TinyNet())
+            use(strategy, TinyRegressor())
         except Exception as exc:
             errors[name] = f"{type(exc).__name__}: {exc}"
         else:
@@ -544,12 +361,12 @@ def deferred_use_case(cfg: dict[str, Any]) -> dict[str, Any]:
 
 
 def load_model_case(cfg: dict[str, Any], weights: str, prepared: bool) -> dict[str, Any]:
-    """load_model(``weights``) into a fresh TinyNet (prepared by the strategy or plain);
+    """load_model(``weights``) into a fresh TinyRegressor (prepared by the strategy or plain);
     return rank 0's full state afterwards, and the errors of bad loads (which must
     leave the weights as they were)."""
     strategy = get_strategy(cfg)
     torch.manual_seed(99)  # other weights than the file's
-    model: nn.Module = TinyNet()
+    model: nn.Module = TinyRegressor()
     if prepared:
         (model, _, _), *_ = strategy.prepare_models_and_optimizers(
             model, None, None, None, None, 10
@@ -616,7 +433,7 @@ def layout_case(cfg: dict[str, Any]) -> dict[str, Any]:
         ("capped", {"shard_size": 8}),
         ("keep_gathered", {"reshard_after_forward": False}),
     ]:
-        model: Any = strategy.prepare_model(TinyNet(), **kwargs)
+        model: Any = strategy.prepare_model(TinyRegressor(), **kwargs)
         weight = model.head.weight
         with torch.no_grad():
             model(torch.ones(2, DIM))
@@ -628,7 +445,7 @@ def layout_case(cfg: dict[str, Any]) -> dict[str, Any]:
     errors = {}
     for bad in (0, -2, "half"):
         try:
-            strategy.prepare_model(TinyNet(), shard_size=bad)
+            strategy.prepare_model(TinyRegressor(), shard_size=bad)
         except ValueError as exc:
             errors[str(bad)] = str(exc)
     none = strategy.prepare_model(None, shard_size=1)  # type: ignore[arg-type]

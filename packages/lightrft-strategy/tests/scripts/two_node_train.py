@@ -22,9 +22,9 @@ from lightrft.strategy import get_strategy
 def main(out: Path) -> None:
     strategy = get_strategy(workers.config())
     (actor, optim, sched), *_ = strategy.prepare_models_and_optimizers(
-        workers.TinyNet(), None, None, None, None, 10
+        workers.TinyRegressor(), None, None, None, None, 10
     )
-    batches = iter(strategy.setup_dataloader(workers.IndexedRegression()))
+    batches = iter(strategy.setup_dataloader(workers.RegressionTask()))
     losses = []
     for _ in range(2 * strategy.accumulated_gradient):
         _, x, y = next(batches)

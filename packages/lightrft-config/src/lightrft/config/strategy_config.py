@@ -66,6 +66,7 @@ from pydantic_core import PydanticCustomError
 
 from lightrft.config import sources, summary
 from lightrft.config.backends import canonical_backend_name, known_backend_names
+from lightrft.config.deepspeed_rules import adam_offload_problem, derived_keys, overlay_problems
 from lightrft.config.errors import ConfigError, ConfigProblem, from_validation_error
 from lightrft.config.spelling import one_edit_away
 
@@ -115,18 +116,6 @@ def _json_or_path(value: Any) -> Any:
 
 
 JsonOrPath = Annotated[dict[str, Any] | str, BeforeValidator(_json_or_path)]
-
-
-_MISSING = object()
-
-
-def _dotted(tree: dict[str, Any], dotted: str) -> Any:
-    node: Any = tree
-    for part in dotted.split("."):
-        if not isinstance(node, dict) or part not in node:
-            return _MISSING
-        node = node[part]
-    return node
 
 
 def _cross_field(messages: list[str]) -> PydanticCustomError:
@@ -432,72 +421,20 @@ class StrategyConfig(BaseModel):
         return self
 
     def _deepspeed_problems(self) -> list[str]:
-        # The checks lightrft.strategy.deepspeed.ds_config makes at setup that need no world
-        # size, with the same text; ds_config keeps them (a file overlay is read only there).
-        problems: list[str] = []
-        if self.adam_offload and self.zero_stage == 0:
-            problems.append(
-                str(
-                    ConfigProblem(
-                        "adam_offload",
-                        True,
-                        "needs ZeRO stage 1, 2 or 3 with the DeepSpeed backend (zero_stage=0)",
-                        "adam_offload=False, or zero_stage >= 1",
-                    )
-                )
-            )
+        # deepspeed_rules, with what is known without a world size; ds_config applies the
+        # same rules at setup (then with the world size, and a file overlay read)
+        problems = [adam_offload_problem(self.adam_offload, self.zero_stage)]
         overlay = self.deepspeed_config
-        if not isinstance(overlay, dict):  # None, or a file read when the strategy is set up
-            return problems
-        for section in ("optimizer", "scheduler"):
-            if section in overlay:
-                problems.append(
-                    str(
-                        ConfigProblem(
-                            "deepspeed_config",
-                            {section: overlay[section]},
-                            f"sets a DeepSpeed {section!r} section; the strategy builds the "
-                            f"{section} (create_optimizer / create_scheduler, or pass your own "
-                            "to prepare)",
-                            f"a config without {section!r}",
-                        )
-                    )
-                )
-        precision = self.resolved_precision
-        derived: dict[str, tuple[Any, str]] = {
-            "train_micro_batch_size_per_gpu": (
-                self.micro_train_batch_size,
-                "set micro_train_batch_size instead",
-            ),
+        if isinstance(overlay, dict):  # not None, nor a file read when the strategy is set up
+            derived = derived_keys(self)
             # micro x accumulation x every rank = train_batch_size x sp_size at any world size
-            "train_batch_size": (
+            derived["train_batch_size"] = (
                 self.train_batch_size * self.sp_size,
                 f"it follows train_batch_size={self.train_batch_size} x sp_size={self.sp_size} "
                 "(DeepSpeed counts sequence-parallel ranks too); change those instead",
-            ),
-            "gradient_clipping": (
-                self.max_norm if self.max_norm > 0 else 0.0,
-                "set max_norm instead (<= 0 disables clipping)",
-            ),
-            "zero_optimization.stage": (self.zero_stage, "set zero_stage instead"),
-            "bf16.enabled": (precision == "bf16", "set precision instead"),
-            "fp16.enabled": (precision == "fp16", "set precision instead"),
-        }
-        for key, (expected, fix) in derived.items():
-            given = _dotted(overlay, key)
-            if given is _MISSING or given == expected:
-                continue
-            problems.append(
-                str(
-                    ConfigProblem(
-                        "deepspeed_config",
-                        {key: given},
-                        f"{key}={given!r} contradicts the strategy's {expected!r}; {fix}",
-                        f"drop {key!r} from the overlay, or set it to {expected!r}",
-                    )
-                )
             )
-        return problems
+            problems.extend(overlay_problems(overlay, derived))
+        return [str(problem) for problem in problems if problem is not None]
 
     # -- derived values ----------------------------------------------------------------
     @property

@@ -20,34 +20,22 @@ from __future__ import annotations
 
 import json
 import math
+from functools import partial
 from pathlib import Path
 from typing import Any, ClassVar
 
 import pytest
 import torch
-from torch import nn
 
-DIM = 8
+from lightrft.testing import harness
+from lightrft.testing.models import RegressionTask, TinyRegressor
 
-
-class _Net(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.layers = nn.ModuleList([nn.Sequential(nn.LayerNorm(DIM), nn.Linear(DIM, DIM))])
-        self.head = nn.Linear(DIM, 2)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for layer in self.layers:
-            x = x + torch.tanh(layer(x))
-        out: torch.Tensor = self.head(x)
-        return out
-
-
-def _dataset(size: int = 64) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
-    gen = torch.Generator().manual_seed(99)
-    x = torch.randn(size, DIM, generator=gen)
-    y = x[:, :2] * 2.0 + 0.1 * torch.randn(size, 2, generator=gen)
-    return [(i, x[i], y[i]) for i in range(size)]
+#: The suite's model and task (from :mod:`lightrft.testing.models`): one residual block,
+#: so a 2-rank FSDP2 run shards a block, the head and the norm.
+MODEL = partial(TinyRegressor, dim=8, outputs=2, blocks=1)
+TASK = partial(RegressionTask, size=64, dim=8, outputs=2, seed=99)
+#: Optimizer steps the schedules of the checks run over.
+MAX_STEPS = 8
 
 
 def _config(backend: dict[str, Any], world_size: int, **changes: Any) -> dict[str, Any]:
@@ -89,7 +77,7 @@ def _readiness(cfg: dict[str, Any]) -> dict[str, Any]:
     strategy.close()
     deferred = get_strategy(cfg, defer_setup=True)
     try:
-        deferred.create_optimizer(_Net())
+        deferred.create_optimizer(MODEL())
     except Exception as exc:
         out["deferred_error"] = f"{type(exc).__name__}: {exc}"
     else:
@@ -100,95 +88,22 @@ def _readiness(cfg: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _train(
-    cfg: dict[str, Any], steps: int, save_dir: str | None = None, load_dir: str | None = None
-) -> dict[str, Any]:
-    """Rank function: train ``steps`` optimizer steps (resume/save optional)."""
-    from lightrft.strategy import get_strategy
-
-    strategy = get_strategy(cfg)
-    torch.manual_seed(cfg["seed"])
-    (actor, optim, sched), *_ = strategy.prepare_models_and_optimizers(
-        _Net(), None, None, None, None, max_steps=MAX_STEPS
-    )
-    loader = strategy.setup_dataloader(_dataset())
-    client: dict[str, Any] = {}
-    if load_dir is not None:
-        _, client = strategy.load_ckpt(actor, load_dir)
-    batches = iter(loader)
-    losses, used, stepped = [], [], []
-    for _ in range(steps):
-        micro = []
-        for _ in range(strategy.accumulated_gradient):
-            index, x, y = next(batches)
-            loss = nn.functional.mse_loss(actor(x.to(strategy.device)), y.to(strategy.device))
-            strategy.backward(loss, actor, optim)
-            stepped.append(strategy.optimizer_step(optim, actor, sched))
-            micro.append(loss.detach().cpu())
-            used.append(index.tolist())
-        losses.append(float(strategy.all_reduce(torch.stack(micro).mean())))
-    norms = strategy.step_state(actor).last_grad_norm
-    if save_dir is not None:
-        strategy.save_ckpt(actor, save_dir, client_state={"steps": steps})
-    state = strategy.full_state_dict(actor)
-    rank = strategy.get_rank()
-    strategy.close()
-    return {
-        "losses": losses, "used": used, "stepped": stepped, "norm": norms,
-        "state": state if rank == 0 else None, "client": client,
-        "lr": sched.get_last_lr()[0],
-    }  # fmt: skip
-
-
-#: Optimizer steps the schedules of the checks run over.
-MAX_STEPS = 8
-
-
-def _upstream_lr_factor(step: int, warmup: int, total: int, min_ratio: float) -> float:
-    """Upstream's schedule (transformers' ``cosine_with_min_lr``), written out here so the
-    reference does not reuse the strategy's own ``build_scheduler``: linear warmup from
-    0, then cosine decay to ``min_ratio``."""
-    if step < warmup:
-        return step / max(1, warmup)
-    progress = (step - warmup) / max(1, total - warmup)
-    return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+def _train(cfg: dict[str, Any], steps: int, **options: Any) -> dict[str, Any]:
+    """Rank function: :func:`lightrft.testing.harness.train` on the suite's model and task."""
+    return harness.train(
+        cfg, steps, model=MODEL, task=TASK, max_steps=MAX_STEPS,
+        client_state={"steps": steps}, **options,
+    )  # fmt: skip
 
 
 def _reference(cfg: dict[str, Any], steps: int, used: list[list[list[int]]]) -> dict[str, Any]:
-    """The same steps in one process with plain torch, in fp32: AdamW with weight decay
-    on matrices only (biases and norm weights are 1-d), one global clip, upstream's
-    schedule."""
-    torch.manual_seed(cfg["seed"])
-    model = _Net()
-    data = _dataset()
-    params = list(model.parameters())
-    optim = torch.optim.AdamW(
-        [{"params": [p for p in params if p.ndim > 1], "weight_decay": cfg["l2"]},
-         {"params": [p for p in params if p.ndim <= 1], "weight_decay": 0.0}],
-        lr=cfg["actor_learning_rate"], betas=(0.9, 0.95),
-    )  # fmt: skip
+    """The same steps in plain fp32 torch, with upstream's schedule written out (not the
+    strategy's ``build_scheduler``)."""
     warmup = math.ceil(MAX_STEPS * cfg["lr_warmup_ratio"])
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        optim, lambda step: _upstream_lr_factor(step, warmup, MAX_STEPS, 0.1)
-    )
-    world, accum = len(used), len(used[0]) // steps
-    losses = []
-    for step in range(steps):
-        total = 0.0
-        for k in range(accum):
-            for rank in range(world):
-                idx = used[rank][step * accum + k]
-                x = torch.stack([data[i][1] for i in idx])
-                y = torch.stack([data[i][2] for i in idx])
-                loss = nn.functional.mse_loss(model(x), y)
-                (loss / (accum * world)).backward()  # type: ignore[no-untyped-call]
-                total += loss.item() / (accum * world)
-        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg["max_norm"])
-        optim.step()
-        sched.step()
-        optim.zero_grad()
-        losses.append(total)
-    return {"losses": losses, "state": {k: v.detach() for k, v in model.state_dict().items()}}
+    return harness.reference(
+        cfg, steps, used, model=MODEL, task=TASK,
+        lr_factor=partial(harness.upstream_lr_factor, warmup=warmup, total=MAX_STEPS),
+    )  # fmt: skip
 
 
 def _collectives(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -214,7 +129,7 @@ def _rotation(cfg: dict[str, Any], save_dir: str) -> list[str]:
     from lightrft.strategy import get_strategy
 
     strategy = get_strategy(cfg)
-    (actor, _, _), *_ = strategy.prepare_models_and_optimizers(_Net(), None, None, None, None, 8)
+    (actor, _, _), *_ = strategy.prepare_models_and_optimizers(MODEL(), None, None, None, None, 8)
     for tag in ("a", "b", "c"):
         strategy.save_ckpt(actor, save_dir, tag=tag, max_num=2)
     errors = []
@@ -234,8 +149,8 @@ def _engine(cfg: dict[str, Any]) -> dict[str, Any]:
     from lightrft.testing.fake_engine import FakeEngine, tensor_digest
 
     strategy = get_strategy(cfg)
-    (actor, _, _), *_ = strategy.prepare_models_and_optimizers(_Net(), None, None, None, None, 8)
-    engine = FakeEngine(expected_weights=[n for n, _ in _Net().named_parameters()])
+    (actor, _, _), *_ = strategy.prepare_models_and_optimizers(MODEL(), None, None, None, None, 8)
+    engine = FakeEngine(expected_weights=[n for n, _ in MODEL().named_parameters()])
     strategy.setup_inference_engine(engine)
     strategy.update_engine_weights(actor, bucket_bytes=256)
     full = strategy.full_state_dict(actor)
@@ -256,7 +171,7 @@ def _loaders(cfg: dict[str, Any]) -> dict[str, Any]:
     from lightrft.strategy import get_strategy
 
     strategy = get_strategy(cfg)
-    data = _dataset(24)
+    data = TASK(size=24)
     order = [[int(i) for i in b[0]] for b in strategy.setup_dataloader(data, batch_size=2)]
     again = [[int(i) for i in b[0]] for b in strategy.setup_dataloader(data, batch_size=2)]
     consumed = 3 * 2 * strategy.world_size  # global samples of 3 batches
@@ -282,7 +197,7 @@ def _load_error(cfg: dict[str, Any], load_dir: str) -> tuple[str, bool]:
     from lightrft.strategy import get_strategy
 
     strategy = get_strategy(cfg)
-    (actor, _, _), *_ = strategy.prepare_models_and_optimizers(_Net(), None, None, None, None, 8)
+    (actor, _, _), *_ = strategy.prepare_models_and_optimizers(MODEL(), None, None, None, None, 8)
     try:
         # cloned: a plain module's state dict holds its very tensors, which a load changes
         before = {k: v.clone() for k, v in strategy.full_state_dict(actor).items()}

@@ -7,8 +7,9 @@ per-rank results. `run_torchrun` runs a script under ``python -m torch.distribut
 one torchrun per simulated node. Both kill everything they started before they return,
 and turn failures into `RankFailure` and hangs into `TimeoutError`.
 
-This module does not import torch: a child imports it when it inits a process group or
-when ``fn`` does, the parent only to unpickle tensors among the results.
+Importing this module does not import torch: a child imports it when it inits a process
+group or when ``fn`` does; the parent when it picks a free port (through
+:mod:`lightrft.strategy.distributed`) and to unpickle tensors among the results.
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ import multiprocessing
 import os
 import pickle
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -45,15 +45,13 @@ _ENVIRON_LOCK = threading.Lock()
 
 
 def find_free_port() -> int:
-    """Return a TCP port on 127.0.0.1 that was free a moment ago.
+    """A TCP port on 127.0.0.1 that was free a moment ago (another process may take it
+    before the caller binds it; the window is small). The one implementation is
+    :func:`lightrft.strategy.distributed.find_free_port`, imported on the first call:
+    importing this module still imports no torch."""
+    from lightrft.strategy.distributed import find_free_port as strategy_find_free_port
 
-    Returns:
-        The port the OS picked for a socket bound to ``127.0.0.1:0``. Another process
-        may take it before the caller binds it; the window is small.
-    """
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+    return strategy_find_free_port()
 
 
 class RankFailure(RuntimeError):  # noqa: N818 - the name is part of the API

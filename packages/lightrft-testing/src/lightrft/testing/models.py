@@ -1,9 +1,15 @@
-"""Tiny models and token-id tasks for tests and benchmarks: no tokenizer, no download.
+"""Tiny models and tasks for tests, examples and downstream test suites: no tokenizer,
+no download, seconds on a CPU.
 
-``TinyCausalLM`` is plain torch (a pre-norm transformer with a ``layers``
-``nn.ModuleList`` and ``_no_split_modules``, so FSDP2 shards it per block);
-``tiny_hf_causal_lm`` builds a randomly initialised Hugging Face model from a config
-when transformers is installed (for HF-export and engine tests).
+* :class:`TinyRegressor` with :class:`RegressionTask`: residual MLP blocks on vectors,
+  the model of the strategy tests and the conformance suite (exact fp32 references).
+* :class:`TinyCausalLM` with :func:`copy_task`: a causal transformer over token ids.
+* :func:`tiny_qwen2_config` / :func:`tiny_hf_causal_lm`: a randomly initialised
+  Hugging Face Qwen2 built from a config when transformers is installed (HF export,
+  engine and weight-sync tests).
+
+Every model keeps its blocks in an ``nn.ModuleList`` named ``layers`` and names the
+block class in ``_no_split_modules``, so FSDP2 shards it block by block.
 """
 
 from __future__ import annotations
@@ -13,6 +19,64 @@ from typing import Any, ClassVar
 
 import torch
 from torch import nn
+from torch.utils.data import Dataset
+
+
+class ResidualMLP(nn.Module):
+    """``x + down(gelu(up(norm(x))))``, with optional dropout on the residual branch."""
+
+    def __init__(self, dim: int, dropout: float = 0.0) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.up = nn.Linear(dim, 2 * dim)
+        self.down = nn.Linear(2 * dim, dim)
+        self.drop = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = x + self.drop(self.down(nn.functional.gelu(self.up(self.norm(x)))))
+        return out
+
+
+class TinyRegressor(nn.Module):
+    """``blocks`` residual MLP blocks and a linear head: ``(batch, dim) -> (batch, outputs)``.
+
+    It has matrices (weight-decayed), biases and norm weights (not decayed), so the
+    optimizer's two parameter groups are both exercised.
+    """
+
+    _no_split_modules: ClassVar[list[str]] = ["ResidualMLP"]
+
+    def __init__(
+        self, dim: int = 16, outputs: int = 4, blocks: int = 3, dropout: float = 0.0
+    ) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([ResidualMLP(dim, dropout) for _ in range(blocks)])
+        self.head = nn.Linear(dim, outputs)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        out: torch.Tensor = self.head(x)
+        return out
+
+
+class RegressionTask(Dataset[tuple[int, torch.Tensor, torch.Tensor]]):
+    """``size`` samples ``(index, x, y)`` with ``y`` a noisy linear function of ``x``;
+    the index lets a test see which samples each rank drew. ``x`` and ``y`` hold the
+    whole set, for single-process references."""
+
+    def __init__(self, size: int = 128, dim: int = 16, outputs: int = 4, seed: int = 1234) -> None:
+        if outputs > dim:
+            raise ValueError(f"RegressionTask outputs={outputs} must be <= dim={dim}")
+        gen = torch.Generator().manual_seed(seed)
+        self.x = torch.randn(size, dim, generator=gen)
+        self.y = self.x[:, :outputs] * 3.0 + 0.1 * torch.randn(size, outputs, generator=gen)
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int) -> tuple[int, torch.Tensor, torch.Tensor]:
+        return i, self.x[i], self.y[i]
 
 
 class TinyBlock(nn.Module):
@@ -74,18 +138,30 @@ def copy_task(samples: int, length: int = 8, vocab_size: int = 64, seed: int = 0
     return torch.cat([half, half], dim=1)
 
 
-def tiny_hf_causal_lm(**overrides: Any) -> nn.Module:
-    """A randomly initialised Qwen2 causal LM (2 layers, hidden 64, vocab 128) built from
-    its config; ``overrides`` change config fields. Needs transformers."""
+#: The tiny Qwen2's config fields (2 layers, hidden 64, vocabulary 128, tied embeddings).
+TINY_QWEN2: dict[str, Any] = {
+    "vocab_size": 128, "hidden_size": 64, "intermediate_size": 128,
+    "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1,
+    "max_position_embeddings": 64, "tie_word_embeddings": True,
+}  # fmt: skip
+
+
+def _transformers(what: str) -> Any:
     try:
-        transformers = importlib.import_module("transformers")
+        return importlib.import_module("transformers")
     except ImportError as exc:
-        raise ImportError("tiny_hf_causal_lm needs transformers: pip install transformers") from exc
-    fields: dict[str, Any] = {
-        "vocab_size": 128, "hidden_size": 64, "intermediate_size": 128,
-        "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1,
-        "max_position_embeddings": 64, "tie_word_embeddings": True,
-    }  # fmt: skip
-    fields.update(overrides)
-    model: nn.Module = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**fields))
+        raise ImportError(f"{what} needs transformers: pip install transformers") from exc
+
+
+def tiny_qwen2_config(**overrides: Any) -> Any:
+    """A ``transformers.Qwen2Config`` of :data:`TINY_QWEN2` with ``overrides`` applied
+    (for engines that build the model themselves from a saved directory)."""
+    return _transformers("tiny_qwen2_config").Qwen2Config(**{**TINY_QWEN2, **overrides})
+
+
+def tiny_hf_causal_lm(**overrides: Any) -> nn.Module:
+    """A randomly initialised ``Qwen2ForCausalLM`` of :func:`tiny_qwen2_config`
+    (``overrides`` change config fields). Needs transformers."""
+    config = tiny_qwen2_config(**overrides)
+    model: nn.Module = _transformers("tiny_hf_causal_lm").Qwen2ForCausalLM(config)
     return model

@@ -19,6 +19,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightrft.testing.models import TinyRegressor
+
 #: Example 1 (基本用法), up to and including the preparation of the models.
 EXAMPLE_1_PREPARE = """\
 from lightrft.strategy import get_strategy
@@ -79,7 +81,7 @@ DIM = 8
 
 
 def _net() -> nn.Module:
-    return nn.Sequential(nn.Linear(DIM, DIM), nn.Tanh(), nn.Linear(DIM, 2))
+    return TinyRegressor(dim=DIM, outputs=2, blocks=1)
 
 
 def _batches(count: int, size: int, seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:

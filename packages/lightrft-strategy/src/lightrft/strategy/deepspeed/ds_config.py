@@ -48,6 +48,7 @@ from pathlib import Path
 from typing import Any
 
 from lightrft.config import ConfigError, StrategyConfig
+from lightrft.config.deepspeed_rules import adam_offload_problem, derived_keys, overlay_problems
 from lightrft.config.errors import ConfigProblem
 
 #: DeepSpeed steps_per_print: progress lines are left to the training loop.
@@ -95,45 +96,6 @@ def _merge(base: dict[str, Any], overlay: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _get(tree: dict[str, Any], dotted: str) -> Any:
-    node: Any = tree
-    for part in dotted.split("."):
-        if not isinstance(node, dict) or part not in node:
-            return _MISSING
-        node = node[part]
-    return node
-
-
-_MISSING = object()
-
-
-def _check_overlay(overlay: dict[str, Any], derived: dict[str, tuple[Any, str]]) -> None:
-    for section in ("optimizer", "scheduler"):
-        if section in overlay:
-            raise _problem(
-                {section: overlay[section]},
-                f"sets a DeepSpeed {section!r} section; the strategy builds the "
-                f"{section} (create_optimizer / create_scheduler, or pass your own to "
-                "prepare)",
-                f"a config without {section!r}",
-            )
-    problems = []
-    for key, (expected, fix) in derived.items():
-        given = _get(overlay, key)
-        if given is _MISSING or given == expected:
-            continue
-        problems.append(
-            ConfigProblem(
-                "deepspeed_config",
-                {key: given},
-                f"{key}={given!r} contradicts the strategy's {expected!r}; {fix}",
-                f"drop {key!r} from the overlay, or set it to {expected!r}",
-            )
-        )
-    if problems:
-        raise ConfigError(problems)
-
-
 def precision_keys(precision: str) -> dict[str, Any]:
     return {
         "bf16": {"enabled": precision == "bf16"},
@@ -157,17 +119,9 @@ def train_config(
     if stage == 3:
         zero["zero_hpz_partition_size"] = config.zpg
     if config.adam_offload:
-        if stage == 0:
-            raise ConfigError(
-                [
-                    ConfigProblem(
-                        "adam_offload",
-                        True,
-                        "needs ZeRO stage 1, 2 or 3 with the DeepSpeed backend (zero_stage=0)",
-                        "adam_offload=False, or zero_stage >= 1",
-                    )
-                ]
-            )
+        problem = adam_offload_problem(config.adam_offload, stage)
+        if problem is not None:
+            raise ConfigError([problem])
         if on_cuda:
             zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
     ds: dict[str, Any] = {
@@ -194,21 +148,12 @@ def train_config(
         f"micro_train_batch_size={config.micro_train_batch_size} and {world_size} ranks "
         f"(sp_size={config.sp_size}); change those instead"
     )
-    _check_overlay(
-        overlay,
-        {
-            "train_micro_batch_size_per_gpu": (
-                config.micro_train_batch_size,
-                "set micro_train_batch_size instead",
-            ),
-            "gradient_accumulation_steps": (accumulation, batch_fix),
-            "train_batch_size": (ds["train_batch_size"], batch_fix),
-            "gradient_clipping": (clip, "set max_norm instead (<= 0 disables clipping)"),
-            "zero_optimization.stage": (stage, "set zero_stage instead"),
-            "bf16.enabled": (precision == "bf16", "set precision instead"),
-            "fp16.enabled": (precision == "fp16", "set precision instead"),
-        },
-    )
+    derived = derived_keys(config)
+    derived["gradient_accumulation_steps"] = (accumulation, batch_fix)
+    derived["train_batch_size"] = (ds["train_batch_size"], batch_fix)
+    problems = overlay_problems(overlay, derived)
+    if problems:
+        raise ConfigError(problems)
     if strategy_clips and "gradient_clipping" in overlay:
         overlay = {k: v for k, v in overlay.items() if k != "gradient_clipping"}
     return _merge(ds, overlay)
