@@ -26,6 +26,8 @@ BAD_INPUTS: list[tuple[dict[str, Any], list[str]]] = [
         ["engine_type='vlm'", "did you mean 'vllm'", "'vllm', 'sglang', 'hf'"],
     ),
     ({"engine_type": "trt"}, ["engine_type='trt'", "one of 'vllm', 'sglang', 'hf'"]),
+    # an engine of another distribution: known once it is installed (not in this session)
+    ({"engine_type": "fake"}, ["engine_type='fake'", "'lightrft.engines'", "lightrft-testing"]),
     ({"engine_tp_size": 0}, ["engine_tp_size=0", "> 0"]),
     ({"adam_betas": (0.9, 1.0)}, ["adam_betas=(0.9, 1.0)", "less than 1", "each >= 0 and < 1"]),
     ({"adam_betas": (0.9,)}, ["adam_betas=(0.9,)", "pair of numbers"]),

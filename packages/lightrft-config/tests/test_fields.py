@@ -60,6 +60,7 @@ NEW_FIELDS: dict[str, object] = {
     "device": "auto",
     "engine_mem_util": 0.5,
     "engine_max_model_len": None,
+    "verify_engine_sync": False,
     "engine_sleep_level": None,
     "max_ckpt_num": 3,
     "max_ckpt_mem": 1e8,

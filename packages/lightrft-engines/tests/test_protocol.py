@@ -53,7 +53,7 @@ def test_prompts_as_lists_or_dicts() -> None:
         prompt_token_ids({"prompt": "text"})
     with pytest.raises(SamplingError, match="non-empty list of token ids"):
         prompt_token_ids([])
-    with pytest.raises(SamplingError, match="non-empty list of token ids"):
+    with pytest.raises(SamplingError, match="got -3 at position 1"):
         prompt_token_ids([1, -3])
 
 

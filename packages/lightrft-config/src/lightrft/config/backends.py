@@ -1,7 +1,7 @@
-"""Names of training backends, known without importing any of them.
+"""Names of training backends and inference engines, known without importing any of them.
 
-The strategy package maps these names to classes; this module only knows the names,
-so a configuration can be validated on a machine with no torch.
+The strategy and engines packages map these names to classes; this module only knows
+the names, so a configuration can be validated on a machine with no torch.
 """
 
 from __future__ import annotations
@@ -35,3 +35,20 @@ def canonical_backend_name(name: str) -> str:
     """``name`` with aliases resolved and case folded (``"FSDP"`` -> ``"fsdp2"``)."""
     folded = name.strip().lower()
     return BACKEND_ALIASES.get(folded, folded)
+
+
+#: The entry-point group third-party inference engines register under.
+ENGINE_ENTRY_POINT_GROUP = "lightrft.engines"
+
+#: Engines that ship with lightrft-engines (``fake`` comes with lightrft-testing, by entry
+#: point).
+BUILTIN_ENGINES: tuple[str, ...] = ("vllm", "sglang", "hf")
+
+
+def known_engine_names() -> tuple[str, ...]:
+    """Every ``engine_type`` a configuration may select: built-ins, then the names
+    registered under :data:`ENGINE_ENTRY_POINT_GROUP`."""
+    from importlib.metadata import entry_points
+
+    registered = sorted({ep.name for ep in entry_points(group=ENGINE_ENTRY_POINT_GROUP)})
+    return (*BUILTIN_ENGINES, *(n for n in registered if n not in BUILTIN_ENGINES))

@@ -15,7 +15,11 @@ Which fields are read, and where (modules of ``lightrft.strategy`` unless named)
   train_batch_size, bf16, zpg, grad_accum_dtype, overlap_comm and engine_type as
   upstream's read-only strategy attributes.
 * ``optim``: lr_scheduler, lr_warmup_ratio, min_lr_ratio.
-* ``rollout``: engine_tp_size, ``sleep_level``.
+* ``rollout``: engine_tp_size, ``sleep_level``, verify_engine_sync; it builds the
+  engine with lightrft-engines' ``build_engine``, which reads engine_type,
+  engine_tp_size, engine_mem_util, engine_max_model_len, precision/bf16, seed, device,
+  the sleep fields, and the extras ``pretrain`` (the model), ``prompt_max_len`` +
+  ``generate_max_len`` and ``engine_options``.
 * ``checkpoint.manager``: max_ckpt_num, max_ckpt_mem.
 * ``deepspeed`` (``strategy``, ``ds_config``): zero_stage, precision/bf16, max_norm,
   micro_train_batch_size, train_batch_size, sp_size, zpg, overlap_comm,
@@ -25,9 +29,7 @@ Which fields are read, and where (modules of ``lightrft.strategy`` unless named)
 * ``lightrft.testing``: ``FakeStrategy`` reads device (and the base's fields),
   ``spec_examples`` bf16.
 
-Read by no code yet: engine_mem_util and engine_max_model_len (new, for the engine
-adapters of lightrft-engines, issue 11); engine_type is only mirrored, no engine is
-chosen by it. Kept only so that upstream callers' namespaces convert unchanged (no code
+Kept only so that upstream callers' namespaces convert unchanged (no code
 here reads them; a training loop may): local_rank (the launcher's LOCAL_RANK or
 SLURM_LOCALID is used), critic_pretrain, remote_rm_url, pretrain_data,
 fused_linear_logprob, reward_running_norm, reward_running_norm_minus_mean,
@@ -65,10 +67,14 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 from lightrft.config import sources, summary
-from lightrft.config.backends import canonical_backend_name, known_backend_names
+from lightrft.config.backends import (
+    canonical_backend_name,
+    known_backend_names,
+    known_engine_names,
+)
 from lightrft.config.deepspeed_rules import adam_offload_problem, derived_keys, overlay_problems
 from lightrft.config.errors import ConfigError, ConfigProblem, from_validation_error
-from lightrft.config.spelling import one_edit_away
+from lightrft.config.spelling import closest, one_edit_away
 
 logger = logging.getLogger("lightrft.config")
 
@@ -173,8 +179,11 @@ class StrategyConfig(BaseModel):
     )
 
     # -- engine / parallel ---------------------------------------------------------
-    engine_type: Literal["vllm", "sglang", "hf"] = Field(
-        "vllm", description="Inference engine used for rollouts."
+    engine_type: str = Field(
+        "vllm",
+        description="Inference engine used for rollouts: vllm, sglang, hf, or a name "
+        "registered under the 'lightrft.engines' entry points (lightrft-testing: fake).",
+        json_schema_extra={"accepted": "'vllm', 'sglang', 'hf' or a registered engine name"},
     )
     engine_tp_size: Int = Field(1, gt=0, description="Tensor-parallel size of the engine.")
     enable_engine_sleep: bool = Field(
@@ -309,6 +318,11 @@ class StrategyConfig(BaseModel):
         "Requires enable_engine_sleep; None means 1 when sleep is enabled.",
         json_schema_extra={"accepted": "null, 1 or 2"},
     )
+    verify_engine_sync: bool = Field(
+        False,
+        description="(new) After each update_engine_weights, check that the engine's logprobs "
+        "of a short greedy probe equal the trainer's (one small generation and forward).",
+    )
 
     # -- new: checkpoints ----------------------------------------------------------
     max_ckpt_num: Int = Field(3, gt=0, description="(new) Checkpoints kept by rotation.")
@@ -369,6 +383,22 @@ class StrategyConfig(BaseModel):
                 "the 'lightrft.strategies' entry-point group: 'fake' comes with "
                 "lightrft-testing)",
                 {"choices": ", ".join(known_backend_names())},
+            )
+        return name
+
+    @field_validator("engine_type")
+    @classmethod
+    def _known_engine(cls, value: str) -> str:
+        name = value.strip().lower()
+        known = known_engine_names()
+        if name not in known:
+            guess = closest(name, known)
+            hint = f" (did you mean {guess!r}?)" if guess else ""
+            raise PydanticCustomError(
+                "unknown_engine",
+                "unknown engine{hint}; choose one of {choices} (other engines register under "
+                "the 'lightrft.engines' entry-point group: 'fake' comes with lightrft-testing)",
+                {"hint": hint, "choices": ", ".join(repr(n) for n in known)},
             )
         return name
 

@@ -1,5 +1,9 @@
-"""lightrft.engines: the inference-engine protocol (adapters for vLLM, SGLang and HF
-``generate`` are to come; see the package README)."""
+"""lightrft.engines: inference engines for LightRFT rollouts behind one protocol.
+
+``build_engine(config)`` builds the engine a ``StrategyConfig`` or upstream args
+namespace selects (``engine_type``: ``hf``, ``vllm``, or a registered name); the
+adapters import their engine package only when selected. See the package README.
+"""
 
 from importlib.metadata import version as _version
 
@@ -8,22 +12,48 @@ from lightrft.engines.protocol import (
     GenerationOutput,
     InferenceEngine,
     Prompt,
+    PromptError,
     SamplingError,
     SamplingParams,
     SleepState,
+    WeightMismatchError,
+    as_sampling_params,
+    check_prompts,
+    check_weight_shapes,
     prompt_token_ids,
 )
+from lightrft.engines.registry import (
+    UnknownEngineError,
+    available_engines,
+    build_engine,
+    get_engine_factory,
+    register_engine,
+    unregister_engine,
+)
+from lightrft.engines.spec import EngineSpec
 
 __version__ = _version("lightrft-engines")
 
 __all__ = [
     "EngineError",
+    "EngineSpec",
     "GenerationOutput",
     "InferenceEngine",
     "Prompt",
+    "PromptError",
     "SamplingError",
     "SamplingParams",
     "SleepState",
+    "UnknownEngineError",
+    "WeightMismatchError",
     "__version__",
+    "as_sampling_params",
+    "available_engines",
+    "build_engine",
+    "check_prompts",
+    "check_weight_shapes",
+    "get_engine_factory",
     "prompt_token_ids",
+    "register_engine",
+    "unregister_engine",
 ]

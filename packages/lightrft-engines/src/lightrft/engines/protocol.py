@@ -9,11 +9,17 @@ weights off the accelerator and drops the KV cache; level 2 drops the weights to
 they are stale until :meth:`InferenceEngine.update_weights` has sent every weight.
 Waking is by tags: ``"weights"`` first, then sync, then ``"kv_cache"``. Generating
 while anything is asleep, or with stale weights, raises instead of returning garbage.
+
+Besides the required members of :class:`InferenceEngine`, an engine may offer (the
+strategy uses them when present): ``vocab_size`` and ``max_model_len`` (prompts are
+checked against them before any rank generates), ``weight_shapes()`` (name -> shape of
+every parameter a sync must send: names and shapes are checked before the first
+bucket), and ``weight_version`` (finished syncs).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
@@ -32,13 +38,78 @@ class SamplingError(ValueError):
     """A sampling parameter out of range; the message names it, the value and the range."""
 
 
+class PromptError(SamplingError):
+    """A prompt an engine cannot take (empty, a token id outside the vocabulary, too long
+    for the context with the tokens asked for); the message names the prompt's index,
+    the value and the limit."""
+
+
+class WeightMismatchError(EngineError):
+    """A weight sync whose names or shapes do not match the engine's parameters. Raised
+    before the engine's weights change; the attributes list every mismatch."""
+
+    def __init__(
+        self,
+        missing: Sequence[str] = (),
+        unexpected: Sequence[str] = (),
+        wrong_shape: Mapping[str, tuple[tuple[int, ...], tuple[int, ...]]] | None = None,
+    ) -> None:
+        self.missing = sorted(missing)
+        self.unexpected = sorted(unexpected)
+        self.wrong_shape = dict(wrong_shape or {})
+        parts = []
+        if self.missing:
+            parts.append(f"missing {_names(self.missing)}")
+        if self.unexpected:
+            parts.append(f"not parameters of the engine's model {_names(self.unexpected)}")
+        if self.wrong_shape:
+            shapes = ", ".join(
+                f"{name} sent {list(got)} but the engine has {list(want)}"
+                for name, (got, want) in sorted(self.wrong_shape.items())
+            )
+            parts.append(f"wrong shape: {shapes}")
+        super().__init__(
+            "the weight sync does not match the engine's parameters, so nothing was loaded "
+            f"and the engine keeps its previous weights: {'; '.join(parts)}. Sync the model "
+            "the engine was built from (same architecture), or pass name_map= to "
+            "update_engine_weights to rename (None drops a name)"
+        )
+
+
+def _names(names: Sequence[str], limit: int = 8) -> str:
+    shown = ", ".join(names[:limit])
+    more = f" and {len(names) - limit} more" if len(names) > limit else ""
+    return f"({len(names)}): {shown}{more}"
+
+
+def check_weight_shapes(
+    expected: Mapping[str, Sequence[int]],
+    sent: Mapping[str, Sequence[int]],
+    *,
+    complete: bool = True,
+) -> None:
+    """Raise :class:`WeightMismatchError` unless every name of ``sent`` is in
+    ``expected`` with the same shape and (``complete``) none of ``expected`` is missing."""
+    unexpected = [name for name in sent if name not in expected]
+    wrong = {
+        name: (tuple(shape), tuple(expected[name]))
+        for name, shape in sent.items()
+        if name in expected and tuple(shape) != tuple(expected[name])
+    }
+    missing = [name for name in expected if name not in sent] if complete else []
+    if unexpected or wrong or missing:
+        raise WeightMismatchError(missing, unexpected, wrong)
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """Engine-neutral sampling parameters; each adapter translates them to its own.
 
     ``top_k=-1`` disables top-k; ``temperature=0`` is greedy decoding; ``seed`` makes
-    sampling reproducible; ``native`` passes engine-specific parameters through
-    unchanged (``{"repetition_penalty": 1.1}`` for vLLM, say).
+    sampling reproducible; ``logprobs=True`` returns the log-probability of each sampled
+    token (from the raw logits, before temperature and top-k/top-p);
+    ``native`` passes engine-specific parameters through unchanged
+    (``{"repetition_penalty": 1.1}`` for vLLM, say).
     """
 
     max_new_tokens: int = 256
@@ -48,6 +119,7 @@ class SamplingParams:
     n: int = 1
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
+    logprobs: bool = False
     native: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -74,6 +146,7 @@ class SamplingParams:
                 all(_int(t, 0) for t in self.stop_token_ids),
                 "token ids (ints >= 0)",
             ),
+            ("logprobs", self.logprobs, isinstance(self.logprobs, bool), "True or False"),
         ]
         for name, value, ok, accepted in checks:
             if not ok:
@@ -93,12 +166,80 @@ def _num(value: Any, low: float) -> bool:
 
 @dataclass
 class GenerationOutput:
-    """One completion. ``finish_reason`` is ``"stop"`` (a stop token) or ``"length"``."""
+    """One completion. ``finish_reason`` is ``"stop"`` (a stop token) or ``"length"``;
+    ``logprobs`` (when asked for) has one entry per output token; ``weight_version`` is
+    the number of weight syncs the engine had finished when it generated (0: the
+    weights it was built with)."""
 
     prompt_token_ids: list[int]
     output_token_ids: list[int]
     finish_reason: str
     logprobs: list[float] | None = None
+    weight_version: int = 0
+
+
+def as_sampling_params(sampling: Any) -> SamplingParams:
+    """``sampling`` as neutral :class:`SamplingParams`: None (the defaults), ours, a
+    mapping of our field names, or an engine's own object with vLLM's attribute names
+    (``max_tokens``, ``temperature``, ``top_p``, ``top_k`` (0 or -1: off), ``n``,
+    ``seed``, ``stop_token_ids``, ``logprobs``), as upstream callers pass."""
+    if sampling is None:
+        return SamplingParams()
+    if isinstance(sampling, SamplingParams):
+        return sampling
+    if isinstance(sampling, Mapping):
+        return SamplingParams(**sampling)
+    if hasattr(sampling, "max_tokens") and hasattr(sampling, "temperature"):
+        top_k = getattr(sampling, "top_k", -1)
+        return SamplingParams(
+            max_new_tokens=int(sampling.max_tokens or 16),
+            temperature=float(sampling.temperature),
+            top_p=float(getattr(sampling, "top_p", 1.0)),
+            top_k=-1 if top_k in (None, 0, -1) else int(top_k),
+            n=int(getattr(sampling, "n", 1)),
+            seed=getattr(sampling, "seed", None),
+            stop_token_ids=tuple(getattr(sampling, "stop_token_ids", None) or ()),
+            logprobs=getattr(sampling, "logprobs", None) is not None,
+        )
+    raise SamplingError(
+        f"sampling parameters of type {type(sampling).__name__} are not understood; pass "
+        "lightrft.engines.SamplingParams, a dict of its fields, or vLLM's SamplingParams"
+    )
+
+
+def check_prompts(
+    prompts: Sequence[Prompt],
+    sampling: SamplingParams,
+    *,
+    vocab_size: int | None,
+    max_model_len: int | None,
+    describe: Callable[[int], str] = lambda i: f"prompt {i}",
+) -> list[list[int]]:
+    """The token ids of every prompt, after checking that none is empty, every id is in
+    ``[0, vocab_size)`` and ``len(prompt) + max_new_tokens <= max_model_len``; raises
+    :class:`PromptError` naming the prompt (``describe(index)``), the value and the limit."""
+    out = []
+    for index, prompt in enumerate(prompts):
+        where = describe(index)
+        try:
+            ids = prompt_token_ids(prompt)
+        except SamplingError as exc:
+            raise PromptError(f"{where}: {exc}") from None
+        if vocab_size is not None:
+            bad = next((t for t in ids if t >= vocab_size), None)
+            if bad is not None:
+                raise PromptError(
+                    f"{where}: token id {bad} (position {ids.index(bad)}) is outside the "
+                    f"vocabulary of {vocab_size} (ids 0..{vocab_size - 1})"
+                )
+        if max_model_len is not None and len(ids) + sampling.max_new_tokens > max_model_len:
+            raise PromptError(
+                f"{where}: {len(ids)} prompt tokens + max_new_tokens={sampling.max_new_tokens} "
+                f"exceed the engine's max_model_len={max_model_len}; shorten the prompt, ask "
+                "for fewer tokens, or raise engine_max_model_len"
+            )
+        out.append(ids)
+    return out
 
 
 def prompt_token_ids(prompt: Prompt) -> list[int]:
@@ -112,8 +253,14 @@ def prompt_token_ids(prompt: Prompt) -> list[int]:
     else:
         ids = prompt
     tokens = list(ids)
-    if not tokens or not all(_int(t, 0) for t in tokens):
-        raise SamplingError(f"a prompt is a non-empty list of token ids (ints >= 0); got {ids!r}")
+    if not tokens:
+        raise SamplingError("a prompt is a non-empty list of token ids; got an empty one")
+    position = next((i for i, t in enumerate(tokens) if not _int(t, 0)), None)
+    if position is not None:
+        raise SamplingError(
+            f"a prompt is a list of token ids (ints >= 0); got {tokens[position]!r} at "
+            f"position {position}"
+        )
     return tokens
 
 

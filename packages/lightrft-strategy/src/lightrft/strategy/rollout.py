@@ -10,7 +10,8 @@ engine's tensor-parallel groups (``engine_tp_size`` consecutive ranks).
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator, Sequence
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -19,7 +20,7 @@ from torch import nn
 
 if TYPE_CHECKING:
     from lightrft.config import StrategyConfig
-    from lightrft.engines.protocol import GenerationOutput, Prompt, SamplingParams
+    from lightrft.engines.protocol import GenerationOutput
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +49,7 @@ class InferenceEngineCalls:
 
     if TYPE_CHECKING:  # provided by StrategyBase
         config: StrategyConfig
+        device: torch.device
 
         def get_rank(self) -> int: ...
 
@@ -65,24 +67,44 @@ class InferenceEngineCalls:
         for name, param in self.unwrap_model(model).named_parameters():
             yield name, param.detach()
 
-    def setup_inference_engine(self, engine: Any) -> Any:
-        """Use ``engine`` (an object implementing
-        :class:`lightrft.engines.protocol.InferenceEngine`, one per rank) for rollouts,
-        and build the tensor-parallel groups of ``engine_tp_size`` consecutive ranks.
-        Collective. Returns the engine."""
+    def setup_inference_engine(
+        self,
+        engine: Any = None,
+        engine_type: str | None = None,
+        actor: nn.Module | None = None,
+        **engine_options: Any,
+    ) -> Any:
+        """Set up the rollout engine. Collective. Returns the engine.
+
+        Upstream's form, ``setup_inference_engine(args, engine_type="vllm", actor=actor)``:
+        build the engine ``args`` (an argparse namespace or config; None: this strategy's
+        config) selects with :func:`lightrft.engines.build_engine` (``engine_type`` and
+        ``engine_options`` override it; upstream's default ``engine_type="vllm"``
+        ignored ``args.engine_type``, here None reads it), send ``actor``'s weights
+        when given, and put the engine to sleep when ``enable_engine_sleep`` is set, in
+        upstream's order. Our form, ``setup_inference_engine(engine)``: use a ready
+        object implementing :class:`lightrft.engines.protocol.InferenceEngine` (one
+        per rank), as handed over (synced with ``actor`` if given, not put to sleep).
+        Either way the tensor-parallel groups of ``engine_tp_size`` consecutive ranks
+        are built."""
         self._require_setup("setup_inference_engine")
         _protocol()
+        built = _is_engine_source(engine)
+        if built:
+            from lightrft.engines import build_engine
+
+            source = self.config if engine is None else engine
+            tp = int(getattr(source, "engine_tp_size", None) or self.config.engine_tp_size)
+            self._check_tp(tp)
+            engine = build_engine(source, engine_type=engine_type, **engine_options)
         missing = [name for name in _REQUIRED if not callable(getattr(engine, name, None))]
         if missing:
             raise TypeError(
                 f"{type(engine).__name__} is not an inference engine: it lacks "
                 f"{', '.join(missing)} (see lightrft.engines.protocol.InferenceEngine)"
             )
-        tp = self.config.engine_tp_size
-        if self.world_size % tp:
-            raise ValueError(
-                f"engine_tp_size={tp} does not divide the world size {self.world_size}"
-            )
+        tp = int(getattr(engine, "tp_size", None) or self.config.engine_tp_size)
+        self._check_tp(tp)
         rank = self.get_rank()
         self._engine_group_ranks = tuple(rank - rank % tp + i for i in range(tp))
         self._engine_group = None
@@ -92,12 +114,30 @@ class InferenceEngineCalls:
                 if first == self._engine_group_ranks[0]:
                     self._engine_group = group
         self.inference_engine = engine
+        self._warned_no_sleep = False
+        if actor is not None:
+            self.update_engine_weights(actor)
+        if built:  # upstream's order; a ready engine is left as it was handed over
+            self.maybe_sleep_inference_engine()
         return engine
+
+    def _check_tp(self, tp: int) -> None:
+        if tp < 1 or self.world_size % tp:
+            raise ValueError(
+                f"engine_tp_size={tp} does not divide the world size {self.world_size}; "
+                "choose a divisor of the number of ranks"
+            )
+
+    @property
+    def engine_mp_group(self) -> Any:
+        """The process group of this rank's engine tensor-parallel group (None for a
+        group of one), upstream's name."""
+        return self._engine_group
 
     def _require_engine(self, what: str) -> Any:
         self._require_setup(what)
         if self.inference_engine is None:
-            raise RuntimeError(f"{what} needs strategy.setup_inference_engine(engine) first")
+            raise RuntimeError(f"{what} needs strategy.setup_inference_engine(...) first")
         return self.inference_engine
 
     def update_engine_weights(
@@ -107,16 +147,45 @@ class InferenceEngineCalls:
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         name_map: Callable[[str], str | None] | None = None,
         dtype: torch.dtype | None = None,
-    ) -> dict[str, int]:
+        verify: bool | None = None,
+    ) -> dict[str, Any]:
         """Send ``model``'s full weights to the engine, gathered one tensor at a time and
         streamed in buckets of at most ``bucket_bytes`` (a tensor larger than that goes
         alone). ``name_map`` renames a training name to the engine's (None drops it);
-        ``dtype`` casts floating-point tensors. Collective. Returns counts."""
+        ``dtype`` casts floating-point tensors. Collective.
+
+        When the engine lists its parameters (``weight_shapes()``), names and shapes are
+        checked before the first bucket: a missing, extra or wrongly shaped name raises
+        :class:`lightrft.engines.WeightMismatchError` listing them all, and the engine
+        keeps its weights. ``verify`` (default: the config's ``verify_engine_sync``)
+        then checks the engine against the trainer with :meth:`verify_engine_weights`.
+
+        Returns ``tensors``, ``buckets``, ``bytes``, ``gather_s`` (gathering and
+        copying full tensors), ``load_s`` (inside the engine's ``update_weights`` and
+        ``finish_weight_update``) and ``weight_version`` (the engine's, when it has
+        one); with ``verify``, also ``max_logprob_gap``."""
         engine = self._require_engine("update_engine_weights")
         if bucket_bytes < 1:
             raise ValueError(f"bucket_bytes={bucket_bytes} must be >= 1")
+        shapes = getattr(engine, "weight_shapes", None)
+        if callable(shapes):
+            sent: dict[str, tuple[int, ...]] = {}
+            for name, param in self.unwrap_model(model).named_parameters():
+                target = name_map(name) if name_map is not None else name
+                if target is not None:
+                    sent[target] = _full_shape(param)
+            _protocol().check_weight_shapes(shapes(), sent)
         bucket: list[tuple[str, torch.Tensor]] = []
-        size = tensors = buckets = 0
+        size = tensors = buckets = total = 0
+        load_s = 0.0
+        started = time.perf_counter()
+
+        def send(items: list[tuple[str, torch.Tensor]]) -> None:
+            nonlocal load_s
+            t0 = time.perf_counter()
+            engine.update_weights(items)
+            load_s += time.perf_counter() - t0
+
         for name, tensor in self.iter_full_parameters(model):
             target = name_map(name) if name_map is not None else name
             if target is None:
@@ -127,32 +196,203 @@ class InferenceEngineCalls:
             value = value.clone() if value.data_ptr() == tensor.data_ptr() else value
             nbytes = value.numel() * value.element_size()
             if bucket and size + nbytes > bucket_bytes:
-                engine.update_weights(bucket)
+                send(bucket)
                 buckets += 1
                 bucket, size = [], 0
             bucket.append((target, value))
             size += nbytes
+            total += nbytes
             tensors += 1
         if bucket:
-            engine.update_weights(bucket)
+            send(bucket)
             buckets += 1
+        t0 = time.perf_counter()
         engine.finish_weight_update()
-        return {"tensors": tensors, "buckets": buckets}
+        load_s += time.perf_counter() - t0
+        stats: dict[str, Any] = {
+            "tensors": tensors,
+            "buckets": buckets,
+            "bytes": total,
+            "gather_s": time.perf_counter() - started - load_s,
+            "load_s": load_s,
+            "weight_version": getattr(engine, "weight_version", None),
+        }
+        if self.config.verify_engine_sync if verify is None else verify:
+            stats.update(self.verify_engine_weights(model))
+        return stats
+
+    def verify_engine_weights(
+        self,
+        model: nn.Module,
+        *,
+        probe: Sequence[int] | None = None,
+        max_new_tokens: int = 8,
+        tolerance: float | None = None,
+    ) -> dict[str, Any]:
+        """Check that the engine generates from ``model``'s weights: the engine's
+        logprobs of a short greedy continuation of ``probe`` must equal the trainer's own
+        (a forward pass of ``model``) within ``tolerance`` (default 1e-3 when both
+        compute in fp32, else 0.1). Collective (the forward too). Raises
+        :class:`lightrft.engines.EngineError` naming the gap, the token and the
+        tolerance; returns ``max_logprob_gap`` and ``probe_tokens``."""
+        protocol = _protocol()
+        engine = self._require_engine("verify_engine_weights")
+        vocab = int(getattr(engine, "vocab_size", None) or 2)
+        ids = list(probe) if probe is not None else [(7 * i + 3) % vocab for i in range(8)]
+        params = protocol.SamplingParams(
+            max_new_tokens=max_new_tokens, temperature=0.0, logprobs=True
+        )
+        out = self.gather_and_generate([ids], params)[0]
+        if out.logprobs is None:
+            raise protocol.EngineError(
+                f"{type(engine).__name__} returned no logprobs, so its weights cannot be "
+                "verified; turn verify_engine_sync off for this engine"
+            )
+        tokens = torch.tensor([ids + list(out.output_token_ids)], device=self.device)
+        was_training = model.training
+        model.eval()
+        try:
+            with torch.no_grad():
+                result = model(tokens)
+        finally:
+            model.train(was_training)
+        logits = getattr(result, "logits", result)
+        mine = logits[0].float().log_softmax(-1)
+        start = len(ids)
+        gaps = [
+            abs(float(mine[start - 1 + j, token]) - float(theirs))
+            for j, (token, theirs) in enumerate(
+                zip(out.output_token_ids, out.logprobs, strict=True)
+            )
+        ]
+        gap = max(gaps, default=0.0)
+        if tolerance is None:
+            fp32 = self.config.resolved_precision == "fp32" and getattr(
+                engine, "dtype", "float32"
+            ) in ("float32", torch.float32)
+            tolerance = 1e-3 if fp32 else 0.1
+        if gap > tolerance:
+            worst = gaps.index(gap)
+            raise protocol.EngineError(
+                f"the engine's weights are not the trainer's: its logprob of output token "
+                f"{worst} of the probe differs by {gap:.3g} > tolerance {tolerance:g} "
+                f"(probe {ids}, engine weight_version "
+                f"{getattr(engine, 'weight_version', '?')}). The last update_engine_weights "
+                "did not reach the engine, or it computes in another precision (pass "
+                "tolerance=)"
+            )
+        return {"max_logprob_gap": gap, "probe_tokens": len(gaps)}
 
     def gather_and_generate(
-        self, prompts: Sequence[Prompt], sampling: SamplingParams | None = None
+        self,
+        prompts: Any = None,
+        sampling: Any = None,
+        *,
+        all_prompt_token_ids: Sequence[Sequence[int]] | None = None,
+        all_prompts: Sequence[Any] | None = None,
+        all_images: Sequence[Any] | None = None,
+        sleep_engine: bool | None = None,
+        images_num: Sequence[int] | None = None,
+        all_videos: Sequence[Any] | None = None,
+        videos_num: Sequence[int] | None = None,
     ) -> list[GenerationOutput]:
-        """Generate for this rank's ``prompts``: the prompts of the engine's
-        tensor-parallel group are gathered, generated once, and each rank gets back
+        """Generate for this rank's prompts: the prompts of the engine's tensor-parallel
+        group are gathered, checked (an empty prompt, a token id outside the vocabulary
+        or a prompt too long for ``max_model_len`` raises on every rank before any
+        generates, naming the rank and index), generated once, and each rank gets back
         exactly its own outputs (``n`` per prompt, in order). Ranks may hold different
-        numbers of prompts (zero too). Collective within the group."""
+        numbers of prompts (zero too). Collective within the group.
+
+        Our form: ``gather_and_generate(prompts, sampling)``. Upstream's form:
+        ``gather_and_generate(sampling_params, all_prompt_token_ids=...)`` (or
+        ``all_prompts`` with ``all_images``/``images_num``/``all_videos``/``videos_num``
+        for multimodal engines): it wakes the engine first and, unless
+        ``sleep_engine=False``, puts it back to sleep after (when sleep is enabled).
+        ``sampling`` may be :class:`lightrft.engines.SamplingParams` or the engine's own
+        (vLLM's ``SamplingParams`` pass through to vLLM unchanged)."""
+        upstream = (
+            all_prompt_token_ids is not None
+            or all_prompts is not None
+            or sleep_engine is not None
+            or (prompts is not None and not _looks_like_prompts(prompts))
+        )
+        if not upstream:
+            return self._gather_generate(prompts or [], sampling)
+        sampling_params = prompts
+        if all_prompt_token_ids is None and all_prompts is None and sampling is not None:
+            all_prompt_token_ids = sampling  # upstream's second positional argument
+        self.wakeup_inference_engine()
+        multimodal = any(x is not None for x in (all_images or ())) or any(
+            x is not None for x in (all_videos or ())
+        )
+        if multimodal:
+            inputs: list[Any] = build_multimodal_inputs(
+                all_prompts or [], all_images, images_num, all_videos, videos_num
+            )
+        elif all_prompt_token_ids is not None:
+            inputs = list(all_prompt_token_ids)
+        else:
+            inputs = [{"prompt": text} for text in all_prompts or []]
+        outputs = self._gather_generate(inputs, sampling_params)
+        if sleep_engine is not False:
+            self.maybe_sleep_inference_engine()
+        return outputs
+
+    def engine_generate_local(
+        self,
+        sampling_params: Any,
+        prompt_token_ids: Sequence[Sequence[int]] | None = None,
+        multi_modal_inputs: Sequence[Mapping[str, Any]] | None = None,
+    ) -> list[GenerationOutput]:
+        """Generate on this rank's engine alone, without gathering (upstream's call):
+        exactly one of ``prompt_token_ids`` and ``multi_modal_inputs``."""
+        engine = self._require_engine("engine_generate_local")
+        if (prompt_token_ids is None) == (multi_modal_inputs is None):
+            raise ValueError(
+                "engine_generate_local takes exactly one of prompt_token_ids and multi_modal_inputs"
+            )
+        prompts = list(prompt_token_ids if prompt_token_ids is not None else multi_modal_inputs)  # type: ignore[arg-type]
+        self._check_prompts(engine, prompts, sampling_params, [len(prompts)], 0)
+        return list(engine.generate(prompts, sampling_params))
+
+    def _check_prompts(
+        self, engine: Any, prompts: list[Any], sampling: Any, counts: list[int], first: int
+    ) -> None:
+        protocol = _protocol()
+        params = protocol.as_sampling_params(sampling)
+        bounds = [sum(counts[:i]) for i in range(len(counts) + 1)]
+
+        def describe(index: int) -> str:
+            slot = next(i for i in range(len(counts)) if index < bounds[i + 1])
+            where = f"prompt {index - bounds[slot]}"
+            return where if len(counts) == 1 else f"{where} of rank {first + slot}"
+
+        token_prompts = [
+            (i, p)
+            for i, p in enumerate(prompts)
+            if not (isinstance(p, Mapping) and "prompt_token_ids" not in p and "prompt" in p)
+        ]
+        for index, prompt in token_prompts:
+            protocol.check_prompts(
+                [prompt], params,
+                vocab_size=getattr(engine, "vocab_size", None),
+                max_model_len=getattr(engine, "max_model_len", None),
+                describe=lambda _, index=index: describe(index),
+            )  # fmt: skip
+
+    def _gather_generate(self, prompts: Sequence[Any], sampling: Any) -> list[GenerationOutput]:
         engine = self._require_engine("gather_and_generate")
         group_ranks = self._engine_group_ranks
         if len(group_ranks) == 1:
+            self._check_prompts(engine, list(prompts), sampling, [len(prompts)], self.get_rank())
             return list(engine.generate(list(prompts), sampling))
         per_rank: list[Any] = [None] * len(group_ranks)
         dist.all_gather_object(per_rank, list(prompts), group=self._engine_group)
         everything = [prompt for chunk in per_rank for prompt in chunk]
+        # every rank checks the same prompts: all raise, none has started generating
+        self._check_prompts(
+            engine, everything, sampling, [len(c) for c in per_rank], group_ranks[0]
+        )
         leader = group_ranks[0]
         if engine.generate_on_every_rank:
             outputs = list(engine.generate(everything, sampling)) if everything else []
@@ -174,8 +414,16 @@ class InferenceEngineCalls:
         engine = self.inference_engine
         if level is None or engine is None:
             return False
+        if getattr(getattr(engine, "state", None), "asleep", False):
+            return False  # already asleep (upstream's gather_and_generate sleeps after)
         if not engine.supports_sleep:
-            logger.warning("enable_engine_sleep is set but the engine cannot sleep")
+            if not getattr(self, "_warned_no_sleep", False):
+                logger.warning(
+                    "enable_engine_sleep is set but %s cannot sleep here; the strategy skips "
+                    "sleeping (logged once)",
+                    type(engine).__name__,
+                )
+                self._warned_no_sleep = True
             return False
         engine.sleep(level)
         return True
@@ -188,3 +436,68 @@ class InferenceEngineCalls:
             return
         if engine.supports_sleep:
             engine.wake_up(tags)
+
+
+def _is_engine_source(obj: Any) -> bool:
+    """What an engine is built from (None: the strategy's config; a mapping, an argparse
+    namespace, a config or an EngineSpec, recognised by ``engine_type``/``pretrain``),
+    as opposed to an engine object, checked against the protocol."""
+    if obj is None or isinstance(obj, Mapping):
+        return True
+    if callable(getattr(obj, "generate", None)):
+        return False
+    return hasattr(obj, "engine_type") or hasattr(obj, "pretrain")
+
+
+def _looks_like_prompts(obj: Any) -> bool:
+    """A list of prompts (token-id lists or prompt dicts), not sampling parameters."""
+    if isinstance(obj, (str, bytes, Mapping)) or not isinstance(obj, Sequence):
+        return False
+    return all(
+        isinstance(p, Mapping) or (isinstance(p, Sequence) and not isinstance(p, str)) for p in obj
+    )
+
+
+def _full_shape(param: torch.Tensor) -> tuple[int, ...]:
+    """The unsharded shape of a parameter (DeepSpeed ZeRO-3 keeps it in ``ds_shape``;
+    a DTensor's shape is already the global one)."""
+    shape = getattr(param, "ds_shape", None)
+    return tuple(shape if shape is not None else param.shape)
+
+
+def build_multimodal_inputs(
+    prompts: Sequence[Any],
+    images: Sequence[Any] | None,
+    images_num: Sequence[int] | None,
+    videos: Sequence[Any] | None,
+    videos_num: Sequence[int] | None,
+) -> list[dict[str, Any]]:
+    """Upstream's multimodal prompts: one ``{"prompt": text, "multi_modal_data":
+    {"image": [...], "video": [...]}}`` per prompt (no ``multi_modal_data`` when it has
+    neither). ``images``/``videos`` are either one list per prompt or one flat list cut
+    by ``images_num``/``videos_num``."""
+
+    def media(
+        items: Sequence[Any] | None, counts: Sequence[int] | None, i: int, at: int
+    ) -> list[Any]:
+        count = counts[i] if counts is not None else 0
+        if items is None or count == 0:
+            return []
+        if i < len(items) and isinstance(items[i], list) and len(items[i]) == count:
+            return list(items[i])
+        return list(items[at : at + count])
+
+    out: list[dict[str, Any]] = []
+    image_at = video_at = 0
+    for i, prompt in enumerate(prompts):
+        data: dict[str, Any] = {}
+        image_list = media(images, images_num, i, image_at)
+        video_list = media(videos, videos_num, i, video_at)
+        if image_list and image_list[0] is not None:
+            data["image"] = image_list
+        if video_list and video_list[0] is not None:
+            data["video"] = video_list
+        out.append({"prompt": prompt, "multi_modal_data": data} if data else {"prompt": prompt})
+        image_at += images_num[i] if images_num is not None else 0
+        video_at += videos_num[i] if videos_num is not None else 0
+    return out

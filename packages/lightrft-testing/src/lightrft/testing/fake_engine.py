@@ -27,6 +27,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -34,10 +35,14 @@ from lightrft.engines.protocol import (
     EngineError,
     GenerationOutput,
     Prompt,
-    SamplingParams,
     SleepState,
+    WeightMismatchError,
+    as_sampling_params,
     prompt_token_ids,
 )
+
+if TYPE_CHECKING:
+    from lightrft.engines.spec import EngineSpec
 
 
 @dataclass(frozen=True)
@@ -116,13 +121,21 @@ class FakeEngine:
         self._pending: dict[str, WeightRecord] = {}
 
     # -- generation ------------------------------------------------------------------------
-    def generate(
-        self, prompts: Sequence[Prompt], sampling: SamplingParams | None = None
-    ) -> list[GenerationOutput]:
+    @classmethod
+    def from_spec(cls, spec: EngineSpec) -> FakeEngine:
+        """``build_engine(config, engine_type="fake")``: the spec's native options
+        (``vocab_size``, ``expected_weights``, ``supports_sleep``,
+        ``generate_on_every_rank``) are the constructor's arguments."""
+        return cls(**dict(spec.native))
+
+    @property
+    def weight_version(self) -> int:
+        """Finished syncs (every output carries it)."""
+        return len(self.syncs)
+
+    def generate(self, prompts: Sequence[Prompt], sampling: Any = None) -> list[GenerationOutput]:
         self._check_open()
-        sampling = sampling or SamplingParams()
-        if not isinstance(sampling, SamplingParams):
-            raise TypeError(f"sampling must be SamplingParams, got {type(sampling).__name__}")
+        sampling = as_sampling_params(sampling)
         self.state.check_generate()
         self.generate_calls += 1
         seed = sampling.seed or 0
@@ -141,7 +154,9 @@ class FakeEngine:
                     if token in stops:
                         reason = "stop"
                         break
-                outputs.append(GenerationOutput(ids, tokens, reason))
+                outputs.append(
+                    GenerationOutput(ids, tokens, reason, weight_version=self.weight_version)
+                )
         return outputs
 
     def _weight_words(self) -> list[int]:
@@ -169,10 +184,7 @@ class FakeEngine:
         for name, tensor in named_tensors:
             if self.expected_weights is not None and name not in self.expected_weights:
                 self._pending, self._pending_buckets = {}, []  # the sync is abandoned
-                raise EngineError(
-                    f"update_weights: the engine has no parameter {name!r}; map training "
-                    "names to the engine's (update_engine_weights(name_map=...))"
-                )
+                raise WeightMismatchError(unexpected=[name])
             if name in self._pending:
                 self._pending, self._pending_buckets = {}, []
                 raise EngineError(f"update_weights: {name!r} sent twice in one sync")
@@ -189,7 +201,7 @@ class FakeEngine:
             if missing:
                 self._pending.clear()
                 self._pending_buckets = []
-                raise EngineError(f"weight sync incomplete: missing {missing}")
+                raise WeightMismatchError(missing=missing)
         record, self._pending = self._pending, {}
         self.bucket_sizes, self._pending_buckets = self._pending_buckets, []
         self.syncs.append(record)

@@ -1,0 +1,236 @@
+"""The Hugging Face engine: a transformers causal LM generating in the training process.
+
+No server, no extra memory pool: batched ``generate`` with left padding on one device,
+greedy or seeded sampling, ``n`` samples per prompt, stop token ids, logprobs of the
+sampled tokens (from the raw logits). It is the engine where vLLM is absent, and the
+reference the other engines are tested against. It does not shard (``engine_tp_size``
+must be 1: each rank holds a full copy).
+
+Weight sync: ``update_weights`` checks each tensor's name and shape and stages a copy;
+``finish_weight_update`` checks nothing is missing and only then copies every staged
+tensor into the model, so a mismatched sync leaves the previous weights in place.
+Sleep: level 1 moves the weights to CPU memory (a no-op on a CPU engine), level 2 also
+marks them stale, so generation refuses until the next sync.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightrft.engines.protocol import (
+    EngineError,
+    GenerationOutput,
+    Prompt,
+    SleepState,
+    as_sampling_params,
+    check_prompts,
+    check_weight_shapes,
+)
+from lightrft.engines.spec import EngineSpec
+
+logger = logging.getLogger(__name__)
+
+_TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def _transformers() -> Any:
+    try:
+        import transformers
+    except ImportError as exc:
+        raise ImportError(
+            "the hf engine needs transformers: pip install 'lightrft-engines[hf]'"
+        ) from exc
+    return transformers
+
+
+class HFEngine:
+    """A causal LM from transformers as an inference engine.
+
+    Args:
+        model: a transformers causal LM (``generate`` and ``config``) to serve; it is
+            used in place (put it on ``device`` first, or let the engine move it).
+        device: where generation runs.
+        max_model_len: prompt + new tokens limit (default: the model's
+            ``max_position_embeddings``).
+        max_batch_size: rows (prompts x n) per ``generate`` call (None: all at once).
+    """
+
+    supports_sleep = True
+    generate_on_every_rank = True
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        device: str | torch.device = "cpu",
+        max_model_len: int | None = None,
+        max_batch_size: int | None = None,
+    ) -> None:
+        self.device = torch.device(device)
+        self.model = model.to(self.device).eval()
+        config: Any = model.config
+        self.vocab_size: int = int(config.vocab_size)
+        self.max_model_len: int | None = max_model_len or getattr(
+            config, "max_position_embeddings", None
+        )
+        self.max_batch_size = max_batch_size
+        self.pad_token_id = int(getattr(config, "pad_token_id", None) or 0)
+        self.state = SleepState(supports_sleep=True)
+        self.weight_version = 0
+        self._params = dict(self.model.named_parameters())
+        self._staged: dict[str, torch.Tensor] = {}
+        self._closed = False
+
+    @classmethod
+    def from_spec(cls, spec: EngineSpec) -> HFEngine:
+        """Load ``spec.model_path`` with ``AutoModelForCausalLM`` in ``spec.dtype``."""
+        if spec.tp_size != 1:
+            raise ValueError(
+                f"the hf engine does not shard: engine_tp_size={spec.tp_size} must be 1 "
+                "(each rank serves a full copy); use engine_type='vllm' for tensor parallelism"
+            )
+        transformers = _transformers()
+        path = spec.require_model_path()
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            path, dtype=_TORCH_DTYPES.get(spec.dtype, torch.float32)
+        )
+        options = dict(spec.native)
+        return cls(
+            model,
+            device=spec.device,
+            max_model_len=spec.max_model_len,
+            max_batch_size=options.pop("max_batch_size", None),
+        )
+
+    # -- generation --------------------------------------------------------------------
+    def generate(self, prompts: Sequence[Prompt], sampling: Any = None) -> list[GenerationOutput]:
+        self._check_open()
+        params = as_sampling_params(sampling)
+        self.state.check_generate()
+        if params.native:
+            raise EngineError(
+                f"the hf engine takes no native sampling options; got {sorted(params.native)}"
+            )
+        ids = check_prompts(
+            prompts, params, vocab_size=self.vocab_size, max_model_len=self.max_model_len
+        )
+        rows = [prompt for prompt in ids for _ in range(params.n)]
+        step = self.max_batch_size or len(rows) or 1
+        outputs: list[GenerationOutput] = []
+        for start in range(0, len(rows), step):
+            outputs.extend(self._generate_rows(rows[start : start + step], params))
+        return outputs
+
+    def _generate_rows(self, rows: list[list[int]], params: Any) -> list[GenerationOutput]:
+        transformers = _transformers()
+        width = max(len(r) for r in rows)
+        input_ids = torch.full((len(rows), width), self.pad_token_id, dtype=torch.long)
+        mask = torch.zeros((len(rows), width), dtype=torch.long)
+        for i, row in enumerate(rows):  # left padding: every prompt ends at the same column
+            input_ids[i, width - len(row) :] = torch.tensor(row)
+            mask[i, width - len(row) :] = 1
+        greedy = params.temperature == 0
+        stops = list(params.stop_token_ids)
+        config = transformers.GenerationConfig(
+            max_new_tokens=params.max_new_tokens,
+            do_sample=not greedy,
+            temperature=None if greedy else params.temperature,
+            top_p=None if greedy else params.top_p,
+            top_k=None if greedy or params.top_k == -1 else params.top_k,
+            eos_token_id=stops or None,
+            pad_token_id=self.pad_token_id,
+            return_dict_in_generate=True,
+            output_logits=params.logprobs,
+        )
+        with torch.random.fork_rng(devices=self._rng_devices()), torch.no_grad():
+            if params.seed is not None:
+                torch.manual_seed(params.seed)
+            out = self.model.generate(  # type: ignore[operator]
+                input_ids=input_ids.to(self.device),
+                attention_mask=mask.to(self.device),
+                generation_config=config,
+            )
+        new = out.sequences[:, width:].cpu()
+        logprobs = None
+        if params.logprobs:
+            steps = torch.stack([step.float() for step in out.logits], dim=1).log_softmax(-1)
+            logprobs = steps.gather(-1, new[:, : steps.shape[1]].to(steps.device).unsqueeze(-1))
+            logprobs = logprobs.squeeze(-1).cpu()
+        results = []
+        for i, row in enumerate(rows):
+            tokens = new[i].tolist()
+            finish, end = "length", len(tokens)
+            for j, token in enumerate(tokens):
+                if token in stops:
+                    finish, end = "stop", j + 1
+                    break
+            results.append(
+                GenerationOutput(
+                    prompt_token_ids=list(row),
+                    output_token_ids=tokens[:end],
+                    finish_reason=finish,
+                    logprobs=None if logprobs is None else logprobs[i, :end].tolist(),
+                    weight_version=self.weight_version,
+                )
+            )
+        return results
+
+    def _rng_devices(self) -> list[torch.device]:
+        return [self.device] if self.device.type == "cuda" else []
+
+    # -- weights -----------------------------------------------------------------------
+    def weight_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Name -> shape of every parameter a sync must send (tied weights once)."""
+        return {name: tuple(p.shape) for name, p in self._params.items()}
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        self._check_open()
+        self.state.check_update()
+        batch = list(named_tensors)
+        try:
+            check_weight_shapes(
+                self.weight_shapes(), {n: tuple(t.shape) for n, t in batch}, complete=False
+            )
+        except EngineError:
+            self._staged.clear()  # the whole sync is refused
+            raise
+        for name, tensor in batch:
+            param = self._params[name]
+            self._staged[name] = tensor.detach().to(param.device, param.dtype, copy=True)
+
+    def finish_weight_update(self) -> None:
+        self._check_open()
+        staged, self._staged = self._staged, {}
+        check_weight_shapes(self.weight_shapes(), {n: tuple(t.shape) for n, t in staged.items()})
+        with torch.no_grad():
+            for name, tensor in staged.items():
+                self._params[name].copy_(tensor)
+        self.weight_version += 1
+        self.state.weights_synced()
+
+    # -- sleep -------------------------------------------------------------------------
+    def sleep(self, level: int = 1) -> None:
+        self._check_open()
+        self.state.sleep(level)
+        if self.device.type != "cpu":
+            self.model.to("cpu")
+            torch.cuda.empty_cache()
+
+    def wake_up(self, tags: Sequence[str] | None = None) -> None:
+        self._check_open()
+        self.state.wake_up(tags)
+        if self.state.weights_awake and self.device.type != "cpu":
+            self.model.to(self.device)
+
+    def shutdown(self) -> None:
+        self._closed = True
+        self._staged.clear()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise EngineError("the engine was shut down")

@@ -1,0 +1,148 @@
+"""The Hugging Face engine against transformers' own generate, on a tiny random Qwen2."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from lightrft.engines import (
+    EngineError,
+    PromptError,
+    SamplingParams,
+    WeightMismatchError,
+    build_engine,
+)
+from lightrft.engines.hf import HFEngine
+
+PROMPTS = [[5, 17, 99, 3], [42], [7, 7, 7, 7, 7, 7, 7]]  # uneven: left padding is exercised
+
+
+def _engine(path: Path, **changes: Any) -> HFEngine:
+    args = {"engine_type": "hf", "pretrain": str(path), "bf16": False, "device": "cpu"}
+    args.update(changes)
+    engine = build_engine(args)
+    assert isinstance(engine, HFEngine)
+    return engine
+
+
+def _reference_greedy(model: Any, prompt: list[int], new: int) -> list[int]:
+    """transformers' generate on one unpadded prompt."""
+    with torch.no_grad():
+        out = model.generate(
+            input_ids=torch.tensor([prompt]), max_new_tokens=new, do_sample=False,
+            eos_token_id=None, pad_token_id=0,
+        )  # fmt: skip
+    return list(out[0, len(prompt) :].tolist())
+
+
+def _sync(engine: HFEngine, named: list[tuple[str, torch.Tensor]]) -> None:
+    for start in range(0, len(named), 5):  # in buckets, as the strategy sends them
+        engine.update_weights(named[start : start + 5])
+    engine.finish_weight_update()
+
+
+def test_greedy_equals_transformers_generate_prompt_by_prompt(tiny_model_dir: Path) -> None:
+    engine = _engine(tiny_model_dir)
+    outs = engine.generate(PROMPTS, SamplingParams(max_new_tokens=8, temperature=0))
+    expected = [_reference_greedy(engine.model, p, 8) for p in PROMPTS]
+    assert [o.output_token_ids for o in outs] == expected
+    assert [o.prompt_token_ids for o in outs] == PROMPTS
+    assert {o.finish_reason for o in outs} == {"length"}
+    assert {o.weight_version for o in outs} == {0}
+    assert len({tuple(e) for e in expected}) > 1  # the model does not ignore its prompt
+
+
+def test_logprobs_are_the_models_own_for_the_sampled_tokens(tiny_model_dir: Path) -> None:
+    engine = _engine(tiny_model_dir)
+    params = SamplingParams(max_new_tokens=6, temperature=0.8, seed=1, logprobs=True)
+    for out in engine.generate(PROMPTS, params):
+        ids = torch.tensor([out.prompt_token_ids + out.output_token_ids])
+        with torch.no_grad():
+            logits = engine.model(input_ids=ids).logits[0].log_softmax(-1)
+        start = len(out.prompt_token_ids)
+        want = [float(logits[start - 1 + j, t]) for j, t in enumerate(out.output_token_ids)]
+        assert out.logprobs is not None and len(out.logprobs) == len(out.output_token_ids)
+        torch.testing.assert_close(out.logprobs, want, rtol=1e-4, atol=1e-4)
+
+
+def test_seeded_sampling_repeats_and_n_samples_come_in_prompt_order(tiny_model_dir: Path) -> None:
+    engine = _engine(tiny_model_dir)
+    params = SamplingParams(max_new_tokens=6, temperature=1.0, n=4, seed=7)
+    first = engine.generate(PROMPTS, params)
+    assert first == engine.generate(PROMPTS, params)  # same seed: same samples
+    other = engine.generate(PROMPTS, SamplingParams(max_new_tokens=6, n=4, seed=8))
+    assert [o.output_token_ids for o in other] != [o.output_token_ids for o in first]
+    assert [o.prompt_token_ids for o in first] == [p for p in PROMPTS for _ in range(4)]
+    samples = [tuple(o.output_token_ids) for o in first[:4]]
+    assert len(set(samples)) > 1, "n=4 returned the same sample four times"
+
+
+def test_stop_token_ids_end_the_output_with_the_stop_token(tiny_model_dir: Path) -> None:
+    engine = _engine(tiny_model_dir)
+    full = engine.generate([PROMPTS[0]], SamplingParams(max_new_tokens=8, temperature=0))[0]
+    stop = full.output_token_ids[3]
+    first_stop = full.output_token_ids.index(stop)
+    out = engine.generate(
+        [PROMPTS[0]], SamplingParams(max_new_tokens=8, temperature=0, stop_token_ids=(stop,))
+    )[0]
+    assert out.output_token_ids == full.output_token_ids[: first_stop + 1]
+    assert out.finish_reason == "stop"
+
+
+def test_update_weights_changes_generation_and_a_bad_sync_keeps_the_old(
+    tiny_model_dir: Path,
+) -> None:
+    engine = _engine(tiny_model_dir)
+    params = SamplingParams(max_new_tokens=8, temperature=0)
+    before = engine.generate(PROMPTS, params)
+    trained = _engine(tiny_model_dir).model  # a second copy, changed as training would
+    torch.manual_seed(3)
+    with torch.no_grad():
+        for p in trained.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    named = list(trained.named_parameters())
+    bad_syncs = {
+        "missing": named[1:],
+        "unexpected": [*named, ("model.extra.weight", torch.zeros(2))],
+        "wrong_shape": [(n, t[:1] if i == 0 else t) for i, (n, t) in enumerate(named)],
+    }
+    for label, sync in bad_syncs.items():
+        with pytest.raises(WeightMismatchError) as info:
+            _sync(engine, sync)
+        assert getattr(info.value, label), label
+        assert "keeps its previous weights" in str(info.value)
+        assert engine.generate(PROMPTS, params) == before, f"{label}: weights changed"
+    _sync(engine, named)
+    after = engine.generate(PROMPTS, params)
+    assert [o.output_token_ids for o in after] == [
+        _reference_greedy(trained, p, 8) for p in PROMPTS
+    ]
+    assert after != before and {o.weight_version for o in after} == {1}
+
+
+def test_sleep_level_2_refuses_generation_until_the_next_sync(tiny_model_dir: Path) -> None:
+    engine = _engine(tiny_model_dir)
+    engine.sleep(2)
+    with pytest.raises(EngineError, match="asleep"):
+        engine.generate(PROMPTS)
+    engine.wake_up(["weights"])
+    engine.update_weights(list(engine.model.named_parameters()))
+    engine.finish_weight_update()
+    engine.wake_up(["kv_cache"])
+    assert len(engine.generate(PROMPTS, SamplingParams(max_new_tokens=2))) == 3
+
+
+def test_bad_prompts_name_the_prompt_the_value_and_the_limit(tiny_model_dir: Path) -> None:
+    engine = _engine(tiny_model_dir, engine_max_model_len=16)
+    cases = {
+        "prompt 1: a prompt is a non-empty list of token ids": [[1], []],
+        r"prompt 0: token id 128 \(position 1\) is outside the vocabulary of 128": [[3, 128]],
+        r"prompt 2: 12 prompt tokens \+ max_new_tokens=8 exceed the engine's "
+        r"max_model_len=16": [[1], [2], [3] * 12],
+    }
+    for message, prompts in cases.items():
+        with pytest.raises(PromptError, match=message):
+            engine.generate(prompts, SamplingParams(max_new_tokens=8))
