@@ -4,12 +4,16 @@ FakeEngine (which records every tensor it receives and enforces the sleep levels
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Any
+
 import pytest
 import torch
 
 from lightrft.engines import EngineError, SamplingParams
 from lightrft.strategy.fsdp2 import FSDP2Strategy
 from lightrft.testing import FakeEngine, tensor_digest
+from lightrft.testing.harness import train_sync_generate
 from lightrft.testing.launcher import run_distributed
 
 from . import workers
@@ -163,3 +167,41 @@ def test_engine_calls_on_two_ranks_with_a_sharded_model(
     assert r0["record"] == r1["record"] == {n: v for n, v in r0["full"].items()}
     calls = [r0["generate_calls"], r1["generate_calls"]]
     assert calls == ([3, 0] if leader_only else [3, 3])
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_real_hf_engine_generates_from_the_trained_weights_on_two_ranks(
+    backend: dict[str, Any], tmp_path: Path
+) -> None:
+    from lightrft.testing.models import save_tiny_qwen2
+
+    model_dir = str(save_tiny_qwen2(tmp_path / "qwen2"))
+    cfg = workers.config(
+        **backend, train_batch_size=4, micro_train_batch_size=2, actor_learning_rate=1e-2,
+        max_norm=1.0, engine_type="hf",
+    )  # fmt: skip
+    ranks = run_distributed(
+        train_sync_generate, 2, cfg, model_dir, init_process_group=False, timeout=300
+    )
+    expected = ranks[0]["expected"]
+    assert ranks[0]["engine"] == "HFEngine"
+    assert ranks[0]["after"] == expected[:3] and ranks[1]["after"] == expected[3:]
+    assert ranks[0]["prompts_back"] == [[5, 17, 99, 3], [42], [7, 7, 7, 7, 7]]
+    assert ranks[1]["prompts_back"] == [[11, 12]]
+    assert ranks[0]["before"] != ranks[0]["after"], "training did not change the output"
+    # engine_tp_size=1: each rank checks its own prompts (rank 0's were fine)
+    assert "prompt" not in ranks[0]["errors"]
+    message = ranks[1]["errors"]["prompt"]
+    assert (
+        "prompt 1 of rank 1: token id 500 (position 0) is outside the vocabulary of 128" in message
+    )
+    for r in ranks:
+        assert r["versions"] == [1]
+        stats = r["stats"]
+        assert stats["buckets"] > 1 and stats["bytes"] > 64 * 1024
+        assert stats["max_logprob_gap"] < 1e-3  # verify=True passed
+        assert r["usable"], "the engine was not usable after a refused prompt"
+        assert "x.model.embed_tokens.weight" in r["errors"]["names"]
+        assert "keeps its previous weights" in r["errors"]["names"] and r["kept"]
+        assert "the engine's weights are not the trainer's" in r["errors"]["stale"]

@@ -364,8 +364,7 @@ class InferenceEngineCalls:
 
         def describe(index: int) -> str:
             slot = next(i for i in range(len(counts)) if index < bounds[i + 1])
-            where = f"prompt {index - bounds[slot]}"
-            return where if len(counts) == 1 else f"{where} of rank {first + slot}"
+            return f"prompt {index - bounds[slot]} of rank {first + slot}"
 
         token_prompts = [
             (i, p)

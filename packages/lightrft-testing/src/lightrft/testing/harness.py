@@ -29,7 +29,9 @@ from torch import nn
 
 from lightrft.testing.models import RegressionTask, TinyRegressor
 
-__all__ = ["assert_states_close", "reference", "train", "upstream_lr_factor"]
+__all__ = [
+    "assert_states_close", "reference", "train", "train_sync_generate", "upstream_lr_factor",
+]  # fmt: skip
 
 ModelFactory = Callable[[], nn.Module]
 TaskFactory = Callable[[], RegressionTask]
@@ -213,3 +215,91 @@ def assert_states_close(
             torch.testing.assert_close(actual[name], expected[name], rtol=rtol, atol=atol)
         except AssertionError as exc:
             raise AssertionError(f"{name}: {exc}") from None
+
+
+def train_sync_generate(
+    cfg: dict[str, Any], model_dir: str, engine_type: str = "hf"
+) -> dict[str, Any]:
+    """Rank function, for engine tests on 2 ranks: train the Hugging Face model in
+    ``model_dir`` (e.g. :func:`lightrft.testing.models.save_tiny_qwen2`, vocabulary 128)
+    a few steps with ``get_strategy(cfg)``, sync it into the engine ``engine_type``
+    built from the config (upstream's ``setup_inference_engine(args, engine_type)``),
+    generate greedily for uneven prompts (3 on rank 0, 1 on rank 1), and return with it
+    what transformers' ``generate`` gives on the trained full weights (rank 0:
+    ``expected``, every rank's prompts in rank order). Also exercised: the sync
+    verification passes after a sync (``stats["max_logprob_gap"]``) and catches a
+    skipped one (``errors["stale"]``); an out-of-vocabulary prompt on rank 1
+    (``errors["prompt"]`` on the ranks of its engine group) leaves the engine usable
+    (``usable``); a sync under other names is refused (``errors["names"]``) and keeps
+    the engine's weights (``kept``)."""
+    from transformers import AutoModelForCausalLM
+
+    from lightrft.engines import EngineError, PromptError, SamplingParams, WeightMismatchError
+    from lightrft.strategy import get_strategy
+
+    strategy = get_strategy({**cfg, "pretrain": model_dir})
+    with strategy.init_model_context():
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    (actor, optim, _), *_ = strategy.prepare_models_and_optimizers(
+        model, None, None, None, None, 10
+    )
+    rank = strategy.get_rank()
+    engine = strategy.setup_inference_engine(None, engine_type, actor=None)
+    greedy = SamplingParams(max_new_tokens=6, temperature=0)
+    prompts = [[5, 17, 99, 3], [42], [7, 7, 7, 7, 7]] if rank == 0 else [[11, 12]]
+    before = strategy.gather_and_generate(prompts, greedy)
+    gen = torch.Generator().manual_seed(rank)
+    for _ in range(3 * strategy.accumulated_gradient):  # lr 1e-2: the greedy output moves
+        ids = torch.randint(0, 128, (2, 12), generator=gen).to(strategy.device)
+        strategy.backward(actor(input_ids=ids, labels=ids).loss, actor, optim)
+        strategy.optimizer_step(optim, actor, None)
+    stats = strategy.update_engine_weights(actor, bucket_bytes=64 * 1024, verify=True)
+    after = strategy.gather_and_generate(prompts, greedy)
+    full = strategy.full_state_dict(actor)
+    every_prompt: list[Any] = [None] * strategy.world_size  # what each rank asked for
+    torch.distributed.all_gather_object(every_prompt, prompts)
+    errors: dict[str, str] = {}
+    bad = [[1, 2], [500]] if rank == 1 else [[3]]  # rank 1's second prompt is out of vocab
+    try:
+        strategy.gather_and_generate(bad, greedy)
+    except PromptError as exc:
+        errors["prompt"] = str(exc)
+    usable = strategy.gather_and_generate(prompts, greedy) == after
+    try:  # a sync under other names: refused before the first bucket
+        strategy.update_engine_weights(actor, name_map=lambda n: "x." + n)
+    except WeightMismatchError as exc:
+        errors["names"] = str(exc)
+    kept = strategy.gather_and_generate(prompts, greedy) == after
+    for _ in range(strategy.accumulated_gradient):  # train on without syncing
+        ids = torch.randint(0, 128, (2, 12), generator=gen).to(strategy.device)
+        strategy.backward(actor(input_ids=ids, labels=ids).loss, actor, optim)
+        strategy.optimizer_step(optim, actor, None)
+    try:
+        strategy.verify_engine_weights(actor)
+    except EngineError as exc:
+        errors["stale"] = str(exc)
+    expected = None
+    if rank == 0:  # transformers' generate on the trained weights, prompt by prompt
+        reference: Any = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        reference.load_state_dict(full)
+        expected = []
+        for prompt in [p for chunk in every_prompt for p in chunk]:
+            with torch.no_grad():
+                out = reference.generate(
+                    input_ids=torch.tensor([prompt]), max_new_tokens=6, do_sample=False,
+                    eos_token_id=None, pad_token_id=0,
+                )  # fmt: skip
+            expected.append(out[0, len(prompt) :].tolist())
+    strategy.close()
+    return {
+        "engine": type(engine).__name__,
+        "before": [o.output_token_ids for o in before],
+        "after": [o.output_token_ids for o in after],
+        "prompts_back": [o.prompt_token_ids for o in after],
+        "versions": sorted({o.weight_version for o in after}),
+        "stats": stats,
+        "expected": expected,
+        "errors": errors,
+        "usable": usable,
+        "kept": kept,
+    }

