@@ -95,12 +95,22 @@ def strategy(session: nox.Session, backend: str) -> None:
 
 
 @nox.session(python=DEFAULT_PYTHON)
-def gpu(session: nox.Session) -> None:
-    """The CUDA checks (tests marked `gpu`): run on a machine with a GPU. They fail, not
-    skip, without CUDA. Not part of the default sessions."""
-    sync(session, "lightrft-strategy", "--extra", "deepspeed", "--group", "test", bytecode=True)
-    session.chdir(ROOT / "packages" / "lightrft-strategy")
-    session.run("pytest", "-v", "-p", "no:cacheprovider", "-m", "gpu", *session.posargs)
+@nox.parametrize("part", ["strategy", "vllm"], ids=["strategy", "vllm"])
+def gpu(session: nox.Session, part: str) -> None:
+    """The CUDA checks (tests marked `gpu`): run `nox -s gpu` on a machine with a GPU.
+    They fail, not skip, without CUDA. Not part of the default sessions.
+
+    strategy: FSDP2 and DeepSpeed on CUDA. vllm: vLLM's sleep levels (CUDA-only), with
+    the CUDA vLLM of uv.lock (the `vllm` extra).
+    """
+    if part == "strategy":
+        sync(session, "lightrft-strategy", "--extra", "deepspeed", "--group", "test", bytecode=True)
+        session.chdir(ROOT / "packages" / "lightrft-strategy")
+        session.run("pytest", "-v", "-p", "no:cacheprovider", "-m", "gpu", *session.posargs)
+        return
+    sync(session, "lightrft-engines", "--extra", "vllm", "--extra", "hf", "--group", "test")
+    session.chdir(ROOT / "packages" / "lightrft-engines")
+    session.run("pytest", "-v", "-p", "no:cacheprovider", "-m", "gpu and vllm", *session.posargs)
 
 
 # vLLM's CPU build (the `vllm` module). It pins torch==2.13.0+cpu, which is not on PyPI:

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 
-from lightrft.engines import EngineError, SamplingParams
+from lightrft.engines import EngineError, PromptError, SamplingParams
 from lightrft.strategy.fsdp2 import FSDP2Strategy
 from lightrft.testing import FakeEngine, tensor_digest
 from lightrft.testing.harness import train_sync_generate
@@ -205,3 +205,73 @@ def test_real_hf_engine_generates_from_the_trained_weights_on_two_ranks(
         assert "x.model.embed_tokens.weight" in r["errors"]["names"]
         assert "keeps its previous weights" in r["errors"]["names"] and r["kept"]
         assert "the engine's weights are not the trainer's" in r["errors"]["stale"]
+
+
+def test_upstream_setup_builds_the_engine_from_args_syncs_the_actor_and_sleeps() -> None:
+    import argparse
+
+    strategy = _single(enable_engine_sleep=True)
+    model = workers.TinyRegressor()
+    names = [n for n, _ in model.named_parameters()]
+    args = argparse.Namespace(engine_type="fake", engine_tp_size=1, enable_engine_sleep=True)
+    engine = strategy.setup_inference_engine(
+        args, engine_type="fake", actor=model, expected_weights=names
+    )
+    assert type(engine).__name__ == "FakeEngine" and strategy.inference_engine is engine
+    assert len(engine.syncs) == 1 and set(engine.syncs[0]) == set(names)  # actor synced
+    assert engine.state.asleep  # then put to sleep, upstream's order
+    # upstream's gather_and_generate: wakes, generates, sleeps again (sleep_engine=True)
+    outs = strategy.gather_and_generate(
+        SamplingParams(max_new_tokens=3), all_prompt_token_ids=[[1, 2]]
+    )
+    assert [o.prompt_token_ids for o in outs] == [[1, 2]] and engine.state.asleep
+    outs = strategy.gather_and_generate(SamplingParams(max_new_tokens=3), [[4]], sleep_engine=False)
+    assert [o.prompt_token_ids for o in outs] == [[4]] and not engine.state.asleep
+    assert outs[0].weight_version == 1
+
+
+def test_engine_generate_local_and_bad_prompts_name_rank_index_and_limit() -> None:
+    strategy = _single()
+    strategy.setup_inference_engine(FakeEngine(vocab_size=16))
+    local = strategy.engine_generate_local(
+        SamplingParams(max_new_tokens=2), prompt_token_ids=[[1], [2, 3]]
+    )
+    assert [o.prompt_token_ids for o in local] == [[1], [2, 3]]
+    with pytest.raises(ValueError, match="exactly one of prompt_token_ids and multi_modal_inputs"):
+        strategy.engine_generate_local(SamplingParams(), None, None)
+    with pytest.raises(PromptError, match=r"prompt 1 of rank 0: token id 16 \(position 1\) "
+                       r"is outside the vocabulary of 16"):  # fmt: skip
+        strategy.gather_and_generate([[1], [2, 16]])
+    with pytest.raises(PromptError, match="prompt 0 of rank 0: a prompt is a non-empty list"):
+        strategy.gather_and_generate([[]])
+
+
+def test_verification_needs_logprobs_and_names_the_engine() -> None:
+    strategy = _single()
+    strategy.setup_inference_engine(FakeEngine())
+    with pytest.raises(EngineError, match="FakeEngine returned no logprobs"):
+        strategy.update_engine_weights(workers.TinyRegressor(), verify=True)
+
+
+def test_upstream_multimodal_inputs_nested_or_flat() -> None:
+    from lightrft.strategy.rollout import build_multimodal_inputs
+
+    a, b, c, v = object(), object(), object(), object()
+    nested = build_multimodal_inputs(["p0", "p1", "p2"], [[a, b], [c], None], [2, 1, 0],
+                                     None, None)  # fmt: skip
+    flat = build_multimodal_inputs(["p0", "p1", "p2"], [a, b, c], [2, 1, 0], [v], [0, 0, 1])
+    assert nested[0] == {"prompt": "p0", "multi_modal_data": {"image": [a, b]}}
+    assert nested[1] == {"prompt": "p1", "multi_modal_data": {"image": [c]}}
+    assert nested[2] == {"prompt": "p2"}
+    assert flat[:2] == nested[:2]
+    assert flat[2] == {"prompt": "p2", "multi_modal_data": {"video": [v]}}
+
+
+@pytest.mark.distributed
+def test_a_bad_prompt_is_refused_by_every_rank_of_the_tp_group_before_generating() -> None:
+    cfg = workers.config(engine_tp_size=2)
+    ranks = run_distributed(workers.tp_group_bad_prompt_case, 2, cfg, init_process_group=False)
+    for r in ranks:
+        assert r["error"] is not None and "prompt 1 of rank 1: token id 99" in r["error"]
+        assert r["calls_after_error"] == 0  # nobody generated
+    assert ranks[0]["prompts"] == [[4], [5]] and ranks[1]["prompts"] == [[3]]

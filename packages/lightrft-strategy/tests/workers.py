@@ -451,3 +451,28 @@ def layout_case(cfg: dict[str, Any]) -> dict[str, Any]:
     none = strategy.prepare_model(None, shard_size=1)  # type: ignore[arg-type]
     strategy.close()
     return {"layouts": layouts, "errors": errors, "none": none}
+
+
+def tp_group_bad_prompt_case(cfg: dict[str, Any]) -> dict[str, Any]:
+    """engine_tp_size=2: rank 1 holds a bad prompt; both ranks of the group must refuse
+    before the engine is called, then generate normally."""
+    from lightrft.engines import PromptError, SamplingParams
+    from lightrft.testing import FakeEngine
+
+    strategy = get_strategy(cfg)
+    engine = FakeEngine(vocab_size=16)
+    strategy.setup_inference_engine(engine)
+    rank = strategy.get_rank()
+    error = None
+    try:
+        strategy.gather_and_generate([[1], [99]] if rank == 1 else [[2]], SamplingParams())
+    except PromptError as exc:
+        error = str(exc)
+    calls_after_error = engine.generate_calls
+    outs = strategy.gather_and_generate([[3]] if rank else [[4], [5]], SamplingParams())
+    strategy.close()
+    return {
+        "error": error,
+        "calls_after_error": calls_after_error,
+        "prompts": [o.prompt_token_ids for o in outs],
+    }
