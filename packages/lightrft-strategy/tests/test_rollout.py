@@ -275,3 +275,10 @@ def test_a_bad_prompt_is_refused_by_every_rank_of_the_tp_group_before_generating
         assert r["error"] is not None and "prompt 1 of rank 1: token id 99" in r["error"]
         assert r["calls_after_error"] == 0  # nobody generated
     assert ranks[0]["prompts"] == [[4], [5]] and ranks[1]["prompts"] == [[3]]
+
+
+def test_is_engine_tells_engines_from_models() -> None:
+    from lightrft.strategy import is_engine
+
+    assert is_engine(FakeEngine())
+    assert not is_engine(workers.TinyRegressor()) and not is_engine(None)

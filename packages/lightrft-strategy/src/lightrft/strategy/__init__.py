@@ -28,6 +28,7 @@ from lightrft.strategy.registry import (
     get_strategy,
     register_backend,
 )
+from lightrft.strategy.rollout import is_engine
 
 
 def get_fake_strategy(
@@ -68,5 +69,6 @@ __all__ = [
     "get_backend",
     "get_fake_strategy",
     "get_strategy",
+    "is_engine",
     "register_backend",
 ]

@@ -437,6 +437,12 @@ class InferenceEngineCalls:
             engine.wake_up(tags)
 
 
+def is_engine(model: Any) -> bool:
+    """Whether ``model`` is a rollout engine rather than a training model (upstream's
+    test: it has ``wake_up``; here also ``generate``, as the protocol requires)."""
+    return callable(getattr(model, "wake_up", None)) and callable(getattr(model, "generate", None))
+
+
 def _is_engine_source(obj: Any) -> bool:
     """What an engine is built from (None: the strategy's config; a mapping, an argparse
     namespace, a config or an EngineSpec, recognised by ``engine_type``/``pretrain``),
