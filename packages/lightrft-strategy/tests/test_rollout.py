@@ -282,3 +282,12 @@ def test_is_engine_tells_engines_from_models() -> None:
 
     assert is_engine(FakeEngine())
     assert not is_engine(workers.TinyRegressor()) and not is_engine(None)
+
+
+def test_gather_and_generate_without_prompts_says_how_to_call_it() -> None:
+    strategy = _single()
+    strategy.setup_inference_engine(FakeEngine())
+    with pytest.raises(TypeError, match="got no prompts"):
+        strategy.gather_and_generate([1, 2, 3])  # one prompt, not a list of prompts
+    with pytest.raises(TypeError, match="got no prompts"):
+        strategy.gather_and_generate(SamplingParams())

@@ -321,6 +321,12 @@ class InferenceEngineCalls:
         sampling_params = prompts
         if all_prompt_token_ids is None and all_prompts is None and sampling is not None:
             all_prompt_token_ids = sampling  # upstream's second positional argument
+        if all_prompt_token_ids is None and all_prompts is None:
+            raise TypeError(
+                "gather_and_generate got no prompts: pass gather_and_generate(prompts, "
+                "sampling) with a list of token-id lists, or upstream's "
+                "gather_and_generate(sampling_params, all_prompt_token_ids=[...])"
+            )
         self.wakeup_inference_engine()
         multimodal = any(x is not None for x in (all_images or ())) or any(
             x is not None for x in (all_videos or ())
