@@ -96,3 +96,16 @@ def test_an_engine_without_a_model_path_says_which_field_to_set() -> None:
 def test_hf_engine_refuses_tensor_parallelism(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="engine_tp_size=2 must be 1"):
         build_engine({"engine_type": "hf", "engine_tp_size": 2, "pretrain": str(tmp_path)})
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vllm is installed")
+def test_the_default_engine_is_hf_where_vllm_is_absent(tmp_path: Path) -> None:
+    from lightrft.testing.models import save_tiny_qwen2
+
+    path = str(save_tiny_qwen2(tmp_path / "m"))
+    config = StrategyConfig(device="cpu", precision="fp32", extra_args={"pretrain": path})
+    assert config.engine_type == "vllm" and not EngineSpec.from_config(config).engine_type_chosen
+    assert type(build_engine(config)).__name__ == "HFEngine"
+    chosen = StrategyConfig(engine_type="vllm", extra_args={"pretrain": path})
+    with pytest.raises(ImportError, match="engine_type='vllm'"):  # asked for: no fallback
+        build_engine(chosen)

@@ -291,3 +291,17 @@ def test_gather_and_generate_without_prompts_says_how_to_call_it() -> None:
         strategy.gather_and_generate([1, 2, 3])  # one prompt, not a list of prompts
     with pytest.raises(TypeError, match="got no prompts"):
         strategy.gather_and_generate(SamplingParams())
+
+
+def test_an_engine_that_cannot_sleep_is_skipped_with_one_log_line(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    strategy = _single(enable_engine_sleep=True)
+    engine = strategy.setup_inference_engine(FakeEngine(supports_sleep=False))
+    with caplog.at_level("WARNING", logger="lightrft.strategy.rollout"):
+        assert strategy.maybe_sleep_inference_engine() is False
+        assert strategy.maybe_sleep_inference_engine() is False
+        outs = strategy.gather_and_generate(SamplingParams(max_new_tokens=1), [[1]])
+    assert len(outs) == 1 and not engine.state.asleep
+    lines = [r for r in caplog.records if "cannot sleep" in r.getMessage()]
+    assert len(lines) == 1 and "FakeEngine" in lines[0].getMessage()

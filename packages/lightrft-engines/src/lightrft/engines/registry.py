@@ -14,10 +14,14 @@ class with a ``from_spec`` classmethod.
 from __future__ import annotations
 
 import importlib
+import importlib.util
+import logging
 from collections.abc import Callable
 from typing import Any
 
 from lightrft.engines.spec import EngineSpec
+
+logger = logging.getLogger(__name__)
 
 ENTRY_POINT_GROUP = "lightrft.engines"
 
@@ -36,6 +40,10 @@ _INSTALL = {
 }
 
 _registered: dict[str, Any] = {}
+
+
+def _has(module: str) -> bool:
+    return importlib.util.find_spec(module) is not None
 
 
 class UnknownEngineError(ValueError):
@@ -98,8 +106,9 @@ def get_engine_factory(name: str) -> Any:
 def build_engine(source: Any = None, *, engine_type: str | None = None, **native: Any) -> Any:
     """Build the engine ``source`` (a ``StrategyConfig``, an upstream args namespace, a
     mapping or an :class:`EngineSpec`) selects; ``engine_type`` and engine-native
-    keyword arguments override it. Returns an object implementing
-    :class:`~lightrft.engines.protocol.InferenceEngine`."""
+    keyword arguments override it. ``engine_type`` left at its default (``"vllm"``,
+    not chosen anywhere) builds the ``hf`` engine when vLLM is not installed. Returns
+    an object implementing :class:`~lightrft.engines.protocol.InferenceEngine`."""
     if isinstance(source, EngineSpec):
         spec = source
         if engine_type is not None or native:
@@ -112,6 +121,11 @@ def build_engine(source: Any = None, *, engine_type: str | None = None, **native
             )
     else:
         spec = EngineSpec.from_config(source, engine_type=engine_type, **native)
+    if spec.engine_type == "vllm" and not spec.engine_type_chosen and not _has("vllm"):
+        logger.warning("engine_type was left at 'vllm', which is not installed: using 'hf'")
+        from dataclasses import replace
+
+        spec = replace(spec, engine_type="hf")
     factory = get_engine_factory(spec.engine_type)
     build: Callable[[EngineSpec], Any] = getattr(factory, "from_spec", factory)
     return build(spec)

@@ -6,7 +6,8 @@ Field by field (upstream's names first):
 =====================  =============================================================
 EngineSpec             read from
 =====================  =============================================================
-``engine_type``        ``engine_type`` (``"vllm"``, ``"sglang"``, ``"hf"``, registered)
+``engine_type``        ``engine_type`` (``"vllm"``, ``"sglang"``, ``"hf"``, registered;
+                       left at its default ``"vllm"`` without vLLM installed: ``"hf"``)
 ``model_path``         ``pretrain`` (upstream's name for the actor's checkpoint)
 ``tp_size``            ``engine_tp_size``
 ``mem_util``           ``engine_mem_util`` (default 0.5)
@@ -65,6 +66,9 @@ class EngineSpec:
     seed: int = 42
     device: str = "cpu"
     native: Mapping[str, Any] = field(default_factory=dict)
+    #: Whether ``engine_type`` was chosen (a keyword, a mapping key, an attribute of a
+    #: namespace, a field set on a StrategyConfig) rather than left at the default.
+    engine_type_chosen: bool = True
 
     @property
     def on_cuda(self) -> bool:
@@ -78,6 +82,14 @@ class EngineSpec:
         defaults); ``engine_type`` and ``native`` override what ``source`` says."""
         source = {} if source is None else source
         name = str(engine_type or _read(source, "engine_type", "vllm")).strip().lower()
+        if engine_type is not None:
+            chosen = True
+        elif isinstance(source, Mapping):
+            chosen = "engine_type" in source
+        elif hasattr(source, "model_fields_set"):  # a StrategyConfig: set, or defaulted?
+            chosen = "engine_type" in source.model_fields_set
+        else:
+            chosen = hasattr(source, "engine_type")
         device = _read(source, "device", None)
         if device in (None, "auto"):
             device = "cuda" if cuda_available() else "cpu"
@@ -112,6 +124,7 @@ class EngineSpec:
             seed=int(_read(source, "seed", 42)),
             device=str(device),
             native=options,
+            engine_type_chosen=chosen,
         )
 
     def require_model_path(self) -> str:
