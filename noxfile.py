@@ -289,9 +289,13 @@ def packages(session: nox.Session) -> None:
 
 @nox.session(python=DEFAULT_PYTHON)
 def demo(session: nox.Session) -> None:
-    """The main job: a small end-to-end training run on CPU (README's first command)."""
-    sync(session, "lightrft-testing")  # the tiny model; it brings lightrft-strategy
-    session.run("python", "examples/train_tiny.py", *session.posargs)
+    """The main job (README's first command): GRPO on CPU, a trainer and a rollout engine
+    sharing 2 ranks (FSDP2 on gloo, the HF engine); flags after `--` go to the script."""
+    sync(session, "lightrft-testing", "--extra", "hf")  # strategy, engines, transformers
+    session.run(
+        "python", "-m", "torch.distributed.run", "--nproc-per-node", "2",
+        "examples/grpo.py", *session.posargs, env={"OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
 
 
 @nox.session(python=DEFAULT_PYTHON)
