@@ -25,8 +25,10 @@ of each tensor's bytes) so a test can check a sync sent exactly the right weight
 from __future__ import annotations
 
 import hashlib
+import json
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -125,8 +127,14 @@ class FakeEngine:
     def from_spec(cls, spec: EngineSpec) -> FakeEngine:
         """``build_engine(config, engine_type="fake")``: the spec's native options
         (``vocab_size``, ``expected_weights``, ``supports_sleep``,
-        ``generate_on_every_rank``) are the constructor's arguments."""
-        return cls(**dict(spec.native))
+        ``generate_on_every_rank``) are the constructor's arguments; without
+        ``vocab_size``, that of the model the spec names (its ``config.json``), so the
+        token ids fit the model being trained."""
+        options = dict(spec.native)
+        config = Path(spec.model_path or "") / "config.json"
+        if "vocab_size" not in options and spec.model_path and config.is_file():
+            options["vocab_size"] = int(json.loads(config.read_text())["vocab_size"])
+        return cls(**options)
 
     @property
     def weight_version(self) -> int:
