@@ -51,20 +51,30 @@ def _config(backend: dict[str, Any], world_size: int, **changes: Any) -> dict[st
 
 def _readiness(cfg: dict[str, Any]) -> dict[str, Any]:
     """What ``get_strategy`` hands back, before any other call; then a second
-    ``setup_distributed()``; then a strategy built with ``defer_setup=True``."""
+    ``setup_distributed()``; and a strategy built with ``defer_setup=True`` (before the
+    first, so it finds no group; set up after it, so it joins the first's group: a job
+    that closes its group and opens another on the same port can race)."""
     import os
 
     import torch.distributed as dist
 
     from lightrft.strategy import get_strategy
 
+    deferred = get_strategy(cfg, defer_setup=True)
+    out: dict[str, Any] = {}
+    try:
+        deferred.create_optimizer(MODEL())
+    except Exception as exc:
+        out["deferred_error"] = f"{type(exc).__name__}: {exc}"
+    else:
+        out["deferred_error"] = None
     strategy = get_strategy(cfg)
-    out: dict[str, Any] = {
-        "ready": bool(getattr(strategy, "is_ready", False)),
-        "world": strategy.world_size,
-        "launched": int(os.environ.get("WORLD_SIZE", "1")),
-        "group": dist.get_world_size() if dist.is_initialized() else None,
-    }
+    out.update(
+        ready=bool(getattr(strategy, "is_ready", False)),
+        world=strategy.world_size,
+        launched=int(os.environ.get("WORLD_SIZE", "1")),
+        group=dist.get_world_size() if dist.is_initialized() else None,
+    )
     if not out["ready"]:
         return out  # the check fails on "ready"; nothing else is meaningful
     out["accumulated"] = strategy.accumulated_gradient
@@ -74,17 +84,10 @@ def _readiness(cfg: dict[str, Any]) -> dict[str, Any]:
     strategy.setup_distributed()  # again: must change nothing (no re-seed, no new group)
     out["reseeded"] = not torch.equal(before, torch.get_rng_state())
     out["again"] = (strategy.world_size, strategy.accumulated_gradient)
-    strategy.close()
-    deferred = get_strategy(cfg, defer_setup=True)
-    try:
-        deferred.create_optimizer(MODEL())
-    except Exception as exc:
-        out["deferred_error"] = f"{type(exc).__name__}: {exc}"
-    else:
-        out["deferred_error"] = None
     deferred.setup_distributed()
     out["deferred_then_setup"] = (deferred.world_size, deferred.accumulated_gradient)
     deferred.close()
+    strategy.close()
     return out
 
 
