@@ -440,6 +440,17 @@ class DeepspeedStrategy(StrategyBase):
             and model.optimizer is not None
         )
         rank0 = self.is_rank_0()
+        # ZeRO-0 in bf16/fp16 keeps its masters in an unfused optimizer's fp32 groups,
+        # which DeepSpeed's safe_get_full_fp32_param does not know
+        unfused: dict[int, torch.Tensor] = {}
+        if masters:
+            optimizer = getattr(model, "optimizer", None)
+            for low, high in zip(
+                getattr(optimizer, "fp16_groups", []),
+                getattr(optimizer, "fp32_groups", []),
+                strict=False,
+            ):
+                unfused.update({id(p): q for p, q in zip(low, high, strict=False)})
         out: dict[str, torch.Tensor] = {}
         first_name: dict[int, str] = {}
         for name, tensor in module.state_dict(keep_vars=True).items():
@@ -449,6 +460,8 @@ class DeepspeedStrategy(StrategyBase):
                 continue
             first_name[id(tensor)] = name
             full = safe_get_full_fp32_param(tensor) if masters else None
+            if full is None and id(tensor) in unfused:  # the optimizer's live tensor: copied
+                full = unfused[id(tensor)].detach().cpu().clone() if rank0 else None
             if full is None:
                 gather = _is_partitioned(tensor)
                 with deepspeed.zero.GatheredParameters([tensor], enabled=gather):
