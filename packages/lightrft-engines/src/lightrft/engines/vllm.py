@@ -35,7 +35,6 @@ import inspect
 import logging
 import os
 import re
-import socket
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -68,12 +67,6 @@ def _vllm() -> Any:
     return vllm
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def launcher_environment(spec: EngineSpec) -> dict[str, str]:
     """The variables vLLM's external launcher reads, from the process group when one is
     up (else a world of one), and the in-process engine switch; set in ``os.environ``
@@ -88,7 +81,9 @@ def launcher_environment(spec: EngineSpec) -> dict[str, str]:
         defaults = {"RANK": "0", "WORLD_SIZE": "1"}
     defaults.update({"LOCAL_RANK": defaults["RANK"], "MASTER_ADDR": "127.0.0.1"})
     if "MASTER_PORT" not in os.environ:
-        defaults["MASTER_PORT"] = str(_free_port())
+        from torch.distributed.elastic.utils.distributed import get_free_port
+
+        defaults["MASTER_PORT"] = str(get_free_port())  # type: ignore[no-untyped-call]
     if not spec.on_cuda:
         defaults["VLLM_CPU_KVCACHE_SPACE"] = "1"
     changed = {}
