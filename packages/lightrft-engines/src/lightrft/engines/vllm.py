@@ -196,8 +196,11 @@ class VLLMEngine:
         )
 
     # -- generation --------------------------------------------------------------------
-    def native_sampling(self, sampling: Any) -> Any:
-        """``sampling`` as the installed vLLM's ``SamplingParams``."""
+    def native_sampling(self, sampling: Any, request: int = 0) -> Any:
+        """``sampling`` as the installed vLLM's ``SamplingParams``, for the ``request``-th
+        prompt of a batch: a neutral ``seed`` becomes ``seed + request`` (vLLM seeds each
+        request alone, so one seed for all would draw every prompt's samples from the
+        same random stream; the HF engine seeds the batch once)."""
         if isinstance(sampling, self._sampling_cls):
             return sampling
         params = as_sampling_params(sampling)
@@ -207,7 +210,7 @@ class VLLMEngine:
             "top_p": params.top_p,
             "top_k": self._top_k_off if params.top_k == -1 else params.top_k,
             "n": params.n,
-            "seed": params.seed,
+            "seed": None if params.seed is None else params.seed + request,
             "stop_token_ids": list(params.stop_token_ids),
             "logprobs": 0 if params.logprobs else None,
         }
@@ -229,7 +232,8 @@ class VLLMEngine:
                 inputs.append({"prompt_token_ids": ids})
         if not inputs:
             return []
-        results = self.llm.generate(inputs, sampling_params=native, use_tqdm=False)
+        per_request = [self.native_sampling(sampling, i) for i in range(len(inputs))]
+        results = self.llm.generate(inputs, sampling_params=per_request, use_tqdm=False)
         want_logprobs = native.logprobs is not None
         outputs = []
         for request in results:
@@ -320,10 +324,16 @@ class VLLMEngine:
             self.llm.wake_up(tags=None if tags is None else list(tags))
 
     def shutdown(self) -> None:
+        """Stop the engine and free its memory. vLLM's teardown destroys its distributed
+        state, the default process group included: shut it down after training
+        (``strategy.close()`` does, before destroying the group itself)."""
         if self._closed:
             return
         self._closed = True
         llm, self.llm = self.llm, None
+        client: Any = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+        if callable(getattr(client, "shutdown", None)):
+            client.shutdown()  # now, not from a finalizer at exit after the group is gone
         del llm
 
     def _check_open(self) -> None:

@@ -223,8 +223,15 @@ class StrategyBase(InferenceEngineCalls, metaclass=ReadyOnConstruction):
         """Backend hook run at the end of :meth:`setup_distributed`."""
 
     def close(self) -> None:
-        """Destroy the process group if :meth:`setup_distributed` created it. The
-        strategy is then no longer set up."""
+        """Shut the inference engine down (if one was set up), then destroy the process
+        group if :meth:`setup_distributed` created it. The strategy is then no longer
+        set up. The engine goes first: vLLM's shutdown tears down its own distributed
+        state, the default process group included."""
+        engine, self.inference_engine = self.inference_engine, None
+        if engine is not None:
+            if self._owns_process_group and dist.is_initialized():
+                dist.barrier()  # no rank shuts its engine down while another generates
+            engine.shutdown()
         if self._owns_process_group and dist.is_initialized():
             dist.barrier()
             dist.destroy_process_group()
