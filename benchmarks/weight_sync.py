@@ -43,6 +43,7 @@ import os
 import random
 import statistics
 import tempfile
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -271,12 +272,33 @@ def main() -> None:
 
     same_output = ours_generate() == raw_generate()
     cpu: dict[str, list[float]] = {"raw": [], "ours": []}
+    # Seconds inside vLLM's LLM.generate, per side and round: the rest of a strategy call
+    # is its own work (prompt checks, sampling translation, outputs), a figure far less
+    # sensitive to other processes than the two sides' wall times.
+    inside: dict[str, list[float]] = {"raw": [], "ours": []}
+    llm_generate = llm.generate
+
+    def timed_llm_generate(*a: Any, **kw: Any) -> Any:
+        start = time.perf_counter()
+        try:
+            return llm_generate(*a, **kw)
+        finally:
+            inside[side][-1] += time.perf_counter() - start
+
+    llm.generate = timed_llm_generate
+    side = "raw"
 
     def gen(name: str, fn: Callable[[], list[list[int]]]) -> Callable[[], float]:
         def call() -> None:
             fn()
 
-        return lambda: timed(call, args.gen_repeat, cpu[name])
+        def run() -> float:
+            nonlocal side
+            side = name
+            inside[name].append(0.0)
+            return timed(call, args.gen_repeat, cpu[name])
+
+        return run
 
     gen_times = interleaved(
         {"raw": gen("raw", raw_generate), "ours": gen("ours", ours_generate)},
@@ -338,10 +360,23 @@ def main() -> None:
         names=("raw", "strategy"),
         per="call",
     )
+    own = [
+        (t - i) / args.gen_repeat for t, i in zip(gen_times["ours"], inside["ours"], strict=True)
+    ]
+    raw_own = [
+        (t - i) / args.gen_repeat for t, i in zip(gen_times["raw"], inside["raw"], strict=True)
+    ]
+    raw_median = statistics.median(gen_times["raw"]) / args.gen_repeat
+    print(
+        f"  strategy's own time    {statistics.median(own) * 1e3:9.2f} ms/call outside "
+        f"LLM.generate (raw: {statistics.median(raw_own) * 1e3:.2f}), "
+        f"{statistics.median(own) / raw_median * 100:+.2f} % of raw's median call"
+    )
     report_other_processes(others)
 
-    # No strategy.close(): vLLM's engine, shut down when the interpreter exits, destroys
-    # the default process group itself (with the strategy's gone first, it would fail)
+    # No strategy.close() after it: vLLM's teardown (now, or from its finalizer at exit)
+    # destroys the default process group itself, which the strategy's close would
+    # destroy first and so break
     engine.shutdown()
     workdir.cleanup()
 
