@@ -364,7 +364,9 @@ class InferenceEngine(Protocol):
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load full (unsharded) tensors by the engine's parameter names; called once
-        per bucket. The weights count as synced after :meth:`finish_weight_update`."""
+        per bucket. The weights count as synced after :meth:`finish_weight_update`. The
+        tensors may be the training model's own parameters: copy them, never modify
+        them, and keep no reference past :meth:`finish_weight_update`."""
         ...
 
     def finish_weight_update(self) -> None:

@@ -62,8 +62,9 @@ class InferenceEngineCalls:
 
     def iter_full_parameters(self, model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
         """Backend hook: ``(name, full tensor)`` per parameter, in the same order on
-        every rank (collective for sharded parameters). The tensor is valid until the
-        next item is requested."""
+        every rank (collective for sharded parameters). Each tensor stays valid while the
+        model is not stepped (a gathered copy, or the parameter itself): a weight sync
+        sends them without copying again."""
         for name, param in self.unwrap_model(model).named_parameters():
             yield name, param.detach()
 
@@ -193,7 +194,6 @@ class InferenceEngineCalls:
             value = tensor.detach()
             if dtype is not None and value.is_floating_point():
                 value = value.to(dtype)
-            value = value.clone() if value.data_ptr() == tensor.data_ptr() else value
             nbytes = value.numel() * value.element_size()
             if bucket and size + nbytes > bucket_bytes:
                 send(bucket)

@@ -471,11 +471,14 @@ class DeepspeedStrategy(StrategyBase):
         return out
 
     def iter_full_parameters(self, model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-        """ZeRO-3 parameters gathered one at a time (the 16-bit copy in bf16/fp16)."""
+        """ZeRO-3 parameters gathered one at a time (the 16-bit copy in bf16/fp16), each
+        copied out of the gather buffer (released when the next is gathered); others as
+        they are."""
         for name, param in self.unwrap_model(model).named_parameters():
             gather = _is_partitioned(param)
             with deepspeed.zero.GatheredParameters([param], enabled=gather):
-                yield name, param.data
+                full = param.data.clone() if gather else param.data
+            yield name, full
 
     def _load_full_weights(self, model: nn.Module, state: dict[str, torch.Tensor]) -> None:
         """ZeRO-3 parameters are gathered and written back from rank 0; an engine whose
