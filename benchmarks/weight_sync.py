@@ -5,7 +5,7 @@ random weights, fp32, untied embeddings) is saved to a temporary folder and serv
 a vLLM engine built with ``lightrft.engines.build_engine`` (in process, on the CPU), set
 up on a world-of-one strategy (``--backend fsdp2``: FSDP2Strategy, the model prepared
 with ``fully_shard``, so its sync gathers every parameter with ``full_tensor()``;
-``--backend fake``: lightrft-testing's strategy with plain parameters, copied).
+``--backend fake``: lightrft-testing's strategy with plain parameters).
 Measures, interleaved over rounds (alternating which side goes first):
   * weight sync of the model's weights into the running engine:
       - ours: ``strategy.update_engine_weights(model, bucket_bytes=...)`` (gather,
