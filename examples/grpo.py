@@ -119,6 +119,7 @@ def train(config: StrategyConfig, opts: argparse.Namespace) -> dict[str, Any]:
         metrics_file.write_text("")
     vocab, prompt_len = MODEL["vocab_size"], opts.prompt_len
     history: list[dict[str, Any]] = []
+    last: Path | None = None
     for step in range(first, opts.steps + 1):
         gen = torch.Generator().manual_seed(config.seed * 100_003 + step * 1_009 + rank)
         prompts = torch.randint(0, vocab, (prompts_per_rank, prompt_len), generator=gen)
@@ -170,7 +171,7 @@ def train(config: StrategyConfig, opts: argparse.Namespace) -> dict[str, Any]:
                 f.write(json.dumps(row) + "\n")
             _progress(row, opts.steps)
         if step % opts.save_every == 0 or step == opts.steps:
-            strategy.save_ckpt(actor, out / "checkpoints", client_state={"step": step})
+            last = strategy.save_ckpt(actor, out / "checkpoints", client_state={"step": step})
     if rank == 0:
         sys.stderr.write("\n")
         rows = [json.loads(line) for line in metrics_file.read_text().splitlines()]
@@ -178,7 +179,7 @@ def train(config: StrategyConfig, opts: argparse.Namespace) -> dict[str, Any]:
 
         plot_metrics(rows, out / "plot.png")
     strategy.close()
-    return {"history": history, "rank": rank}
+    return {"history": history, "rank": rank, "checkpoint": last}
 
 
 def _progress(row: dict[str, Any], steps: int) -> None:
@@ -234,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"reward {head:.3f} (first 5 steps) -> {tail:.3f} (last 5); "
         f"metrics {opts.out / 'metrics.jsonl'}, plot {opts.out / 'plot.png'}, "
-        f"checkpoints {opts.out / 'checkpoints'}"
+        f"last checkpoint {result['checkpoint']}"
     )
     if math.isnan(tail) or tail - head < opts.min_gain:
         log.error("the policy did not learn: reward gain %.3f < --min-gain %.3f", tail - head,
