@@ -161,21 +161,22 @@ class InferenceEngineCalls:
         keeps its weights. ``verify`` (default: the config's ``verify_engine_sync``)
         then checks the engine against the trainer with :meth:`verify_engine_weights`.
 
-        Returns ``tensors``, ``buckets``, ``bytes``, ``gather_s`` (gathering and
-        copying full tensors), ``load_s`` (inside the engine's ``update_weights`` and
+        Returns ``tensors``, ``buckets``, ``bytes``, ``gather_s`` (gathering full
+        tensors), ``load_s`` (inside the engine's ``update_weights`` and
         ``finish_weight_update``) and ``weight_version`` (the engine's, when it has
         one); with ``verify``, also ``max_logprob_gap``."""
         engine = self._require_engine("update_engine_weights")
         if bucket_bytes < 1:
             raise ValueError(f"bucket_bytes={bucket_bytes} must be >= 1")
         shapes = getattr(engine, "weight_shapes", None)
-        if callable(shapes):
+        expected = shapes() if callable(shapes) else None  # None: the engine cannot tell
+        if expected is not None:
             sent: dict[str, tuple[int, ...]] = {}
             for name, param in self.unwrap_model(model).named_parameters():
                 target = name_map(name) if name_map is not None else name
                 if target is not None:
                     sent[target] = _full_shape(param)
-            _protocol().check_weight_shapes(shapes(), sent)
+            _protocol().check_weight_shapes(expected, sent)
         bucket: list[tuple[str, torch.Tensor]] = []
         size = tensors = buckets = total = 0
         load_s = 0.0
