@@ -185,7 +185,7 @@ def engines(session: nox.Session, engine: str) -> None:
     """lightrft-engines' tests, per engine.
 
     hf: the protocol and the Hugging Face engine (torch + transformers from uv.lock).
-    vllm: the tests marked `vllm`, against the real vLLM CPU build, in a pip-built
+    vllm: the tests marked `vllm` (not `gpu`), against the real vLLM CPU build, in a pip-built
     virtualenv (the session's backend is venv for both: nox sets it per session, and
     `uv sync` fills a venv-made environment as well as its own).
     """
@@ -203,7 +203,7 @@ def engines(session: nox.Session, engine: str) -> None:
     )  # fmt: skip
     session.chdir(ROOT / "packages" / "lightrft-engines")
     session.run(
-        *pytest, "-m", "vllm", *session.posargs,
+        *pytest, "-m", "vllm and not gpu", *session.posargs,
         env={key: os.environ.get(key, value) for key, value in VLLM_TEST_ENV.items()},
     )  # fmt: skip
 

@@ -10,7 +10,13 @@ import sys
 import pytest
 import torch
 
-from lightrft.engines import EngineError, InferenceEngine, SamplingError, SamplingParams
+from lightrft.engines import (
+    EngineError,
+    GenerationOutput,
+    InferenceEngine,
+    SamplingError,
+    SamplingParams,
+)
 from lightrft.testing import FakeEngine, tensor_digest
 
 
@@ -86,6 +92,11 @@ def test_outputs_after_a_sync_follow_the_documented_rule() -> None:
         assert out[k].output_token_ids == expected
 
 
+def _tokens(outputs: list[GenerationOutput]) -> list[tuple[list[int], list[int]]]:
+    """What an engine generated, without ``weight_version`` (which counts syncs)."""
+    return [(o.prompt_token_ids, o.output_token_ids) for o in outputs]
+
+
 def test_generations_depend_on_the_weights_received_and_nothing_else() -> None:
     sampling = SamplingParams(max_new_tokens=8, n=2)
     prompts = [[1, 2], [7]]
@@ -95,14 +106,14 @@ def test_generations_depend_on_the_weights_received_and_nothing_else() -> None:
     fresh = engine.generate(prompts, sampling)
     _sync(engine, [("a", a), ("b", b)])
     synced = engine.generate(prompts, sampling)
-    assert synced != fresh
+    assert _tokens(synced) != _tokens(fresh)
     # the same weights again (new tensor objects, other order and buckets): no change
     _sync(engine, [("b", b.clone())], [("a", a.clone())])
-    assert engine.generate(prompts, sampling) == synced
+    assert _tokens(engine.generate(prompts, sampling)) == _tokens(synced)
     # another engine that received the same weights once generates the same
     other = FakeEngine()
     _sync(other, [("a", a.clone()), ("b", b.clone())])
-    assert other.generate(prompts, sampling) == synced
+    assert _tokens(other.generate(prompts, sampling)) == _tokens(synced)
     # one element of one weight changed: other generations; changed back: the same again
     changed_a = a.clone()
     changed_a[2, 1] += 1e-3
@@ -111,13 +122,13 @@ def test_generations_depend_on_the_weights_received_and_nothing_else() -> None:
     pairs = zip(changed, synced, strict=True)
     assert all(x.output_token_ids != y.output_token_ids for x, y in pairs)
     _sync(engine, [("a", a)])
-    assert engine.generate(prompts, sampling) == synced
+    assert _tokens(engine.generate(prompts, sampling)) == _tokens(synced)
     # the same values in another dtype, or under other names, are other weights
     _sync(engine, [("a", a.double())])
-    assert engine.generate(prompts, sampling) != synced
+    assert _tokens(engine.generate(prompts, sampling)) != _tokens(synced)
     renamed = FakeEngine()
     _sync(renamed, [("a", b), ("b", a)])
-    assert renamed.generate(prompts, sampling) != synced
+    assert _tokens(renamed.generate(prompts, sampling)) != _tokens(synced)
 
 
 def test_a_sync_updates_only_the_weights_it_sends() -> None:
@@ -128,9 +139,11 @@ def test_a_sync_updates_only_the_weights_it_sends() -> None:
     _sync(in_two_syncs, [("a", a)])
     _sync(in_two_syncs, [("b", b)])
     assert in_two_syncs.weights_digest == both.weights_digest
-    assert in_two_syncs.generate([[1]]) == both.generate([[1]])
-    _sync(in_two_syncs)  # a sync that sends nothing changes nothing
-    assert in_two_syncs.generate([[1]]) == both.generate([[1]])
+    assert _tokens(in_two_syncs.generate([[1]])) == _tokens(both.generate([[1]]))
+    _sync(in_two_syncs)  # a sync that sends nothing changes nothing but the count
+    assert _tokens(in_two_syncs.generate([[1]])) == _tokens(both.generate([[1]]))
+    assert [o.weight_version for o in in_two_syncs.generate([[1], [2]])] == [3, 3]
+    assert both.generate([[1]])[0].weight_version == 1
 
 
 def test_a_level_2_sleep_discards_the_weights() -> None:
@@ -146,7 +159,7 @@ def test_a_level_2_sleep_discards_the_weights() -> None:
     _sync(engine, [("a", a)])
     only_a = FakeEngine()
     _sync(only_a, [("a", a)])
-    assert engine.generate([[1]]) == only_a.generate([[1]])
+    assert _tokens(engine.generate([[1]])) == _tokens(only_a.generate([[1]]))
 
 
 def test_bad_syncs_name_the_weight_and_keep_nothing() -> None:

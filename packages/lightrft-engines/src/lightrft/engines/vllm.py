@@ -20,6 +20,8 @@ whole layers only. A model with tied embeddings gets its input embedding a secon
 under the output embedding's name (``lm_head.weight``): without it vLLM's reload
 leaves the output layer computing with the old weights. The prefix cache is reset
 after a sync.
+On CPU, vLLM's shared-memory segments are removed once every rank has mapped them, and
+segments a dead run left behind are removed before building (:mod:`.vllm_shm`).
 Sleep levels 1 and 2 with tagged wake-up are vLLM's own where the platform has sleep
 mode (CUDA); on CPU ``supports_sleep`` is False.
 
@@ -41,7 +43,9 @@ from typing import Any
 
 import torch
 
+from lightrft.engines import vllm_shm
 from lightrft.engines.protocol import (
+    EngineError,
     GenerationOutput,
     Prompt,
     SamplingParams,
@@ -181,7 +185,17 @@ class VLLMEngine:
         if spec.max_model_len is not None:
             kwargs["max_model_len"] = spec.max_model_len
         kwargs.update(spec.native)
-        llm = vllm.LLM(**kwargs)
+        if not spec.on_cuda:
+            vllm_shm.remove_stale_segments()
+        try:
+            llm = vllm.LLM(**kwargs)
+        except RuntimeError as exc:
+            message = vllm_shm.explain_start_failure(exc)
+            if message is None:
+                raise
+            raise EngineError(message) from exc
+        if not spec.on_cuda:
+            vllm_shm.unlink_own_segments()
         model_config = llm.llm_engine.model_config
         shapes, tied = _weight_shapes(path)
         return cls(
@@ -338,8 +352,6 @@ class VLLMEngine:
 
     def _check_open(self) -> None:
         if self._closed:
-            from lightrft.engines.protocol import EngineError
-
             raise EngineError("the engine was shut down")
 
 
