@@ -315,6 +315,24 @@ def test_n_samples_seeds_and_images_reach_sglang_per_request(
     assert [o.output_token_ids for o in again] == [o.output_token_ids for o in outs]
 
 
+def test_a_registered_modality_reaches_sglang_by_its_keyword(
+    api: SGLangAPI, tiny_model_dir: Path
+) -> None:
+    from lightrft.engines.multimodal import Modality, register_modality, unregister_modality
+
+    register_modality(Modality("audio", "all_audios", "audios_num", "audio_data"))
+    try:
+        side = SGLangSide(api, tiny_model_dir)
+        engine = _engine(api, side)
+        prompts: list[Any] = [{"prompt_token_ids": [4], "multi_modal_data": {"audio": ["x.wav"]}},
+                              [5]]  # fmt: skip
+        engine.generate(prompts, SamplingParams(max_new_tokens=2, temperature=0))
+        assert side.requests["audio_data"] == [["x.wav"], None]  # bound to Engine.generate
+        assert side.requests["image_data"] is None
+    finally:
+        unregister_modality("audio")
+
+
 def test_a_refused_update_is_an_error_naming_sglangs_answer(
     api: SGLangAPI, tiny_model_dir: Path
 ) -> None:

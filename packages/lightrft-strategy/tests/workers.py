@@ -476,3 +476,45 @@ def tp_group_bad_prompt_case(cfg: dict[str, Any]) -> dict[str, Any]:
         "calls_after_error": calls_after_error,
         "prompts": [o.prompt_token_ids for o in outs],
     }
+
+
+def multimodal_gather_case(cfg: dict[str, Any]) -> dict[str, Any]:
+    """engine_tp_size=2, upstream's multimodal call: rank 0 passes images nested, rank 1
+    flat with counts; the engine must see every prompt of the group with all its
+    images, in order. Then rank 1's counts disagree with its images: both ranks fail
+    before the engine is called."""
+    from lightrft.engines import SamplingParams
+    from lightrft.engines.multimodal import MediaError
+    from lightrft.testing import FakeEngine
+
+    strategy = get_strategy(cfg)
+    engine = FakeEngine(vocab_size=16)
+    strategy.setup_inference_engine(engine)
+    rank = strategy.get_rank()
+    if rank == 0:
+        outs = strategy.gather_and_generate(
+            SamplingParams(max_new_tokens=2), all_prompt_token_ids=[[1], [2]],
+            all_images=[["r0p0a", "r0p0b"], ["r0p1a"]], images_num=[2, 1],
+        )  # fmt: skip
+    else:
+        outs = strategy.gather_and_generate(
+            SamplingParams(max_new_tokens=2), all_prompt_token_ids=[[3]],
+            all_images=["r1p0a", "r1p0b", "r1p0c"], images_num=[3],
+        )  # fmt: skip
+    seen = engine.last_prompts
+    calls = engine.generate_calls
+    error = None
+    try:
+        strategy.gather_and_generate(
+            SamplingParams(), all_prompt_token_ids=[[1]] if rank else [[2]],
+            all_images=["x", "y"] if rank else [["z"]], images_num=[1],
+        )  # fmt: skip
+    except MediaError as exc:
+        error = str(exc)
+    strategy.close()
+    return {
+        "seen": seen,
+        "mine": [o.prompt_token_ids for o in outs],
+        "error": error,
+        "calls_after_error": engine.generate_calls - calls,
+    }

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightrft.engines.multimodal import prompt_media
 from lightrft.engines.protocol import (
     EngineError,
     GenerationOutput,
@@ -116,6 +117,14 @@ class HFEngine:
             raise EngineError(
                 f"the hf engine takes no native sampling options; got {sorted(params.native)}"
             )
+        for index, prompt in enumerate(prompts):
+            media = prompt_media(prompt)
+            if media:  # never dropped silently
+                raise EngineError(
+                    f"prompt {index} carries {', '.join(sorted(media))} items, but the hf "
+                    "engine serves text-only causal LMs; use engine_type='vllm' or 'sglang' "
+                    "for a vision-language model"
+                )
         ids = check_prompts(
             prompts, params, vocab_size=self.vocab_size, max_model_len=self.max_model_len
         )

@@ -42,6 +42,7 @@ from typing import Any
 
 import torch
 
+from lightrft.engines.multimodal import MODALITIES, prompt_media
 from lightrft.engines.protocol import (
     EngineError,
     GenerationOutput,
@@ -254,23 +255,28 @@ class SGLangEngine:
         ids = check_prompts(
             prompts, params, vocab_size=self.vocab_size, max_model_len=self.max_model_len
         )
-        input_ids, images, videos, sampling_dicts = [], [], [], []
+        input_ids: list[list[int]] = []
+        sampling_dicts: list[dict[str, Any]] = []
+        media: dict[str, list[Any]] = {}  # SGLang keyword -> one entry per request
         for index, (prompt, tokens) in enumerate(zip(prompts, ids, strict=True)):
-            media = prompt.get("multi_modal_data", {}) if isinstance(prompt, Mapping) else {}
+            items = prompt_media(prompt)
             for k in range(params.n):
+                request = len(input_ids)
                 input_ids.append(tokens)
-                images.append(list(media.get("image", [])) or None)
-                videos.append(list(media.get("video", [])) or None)
                 sampling_dicts.append(self.native_sampling(params, index * params.n + k))
+                for name, values in items.items():
+                    argument = MODALITIES[name].sglang_arg
+                    if argument is None:
+                        raise EngineError(f"SGLang takes no {name!r} inputs (prompt {index})")
+                    media.setdefault(argument, [None] * request).append(list(values))
+                for column in media.values():
+                    column.extend([None] * (request + 1 - len(column)))
         kwargs: dict[str, Any] = {
             "input_ids": input_ids,
             "sampling_params": sampling_dicts,
             "return_logprob": params.logprobs,
+            **media,  # every item of every prompt, in order (a list per request)
         }
-        if any(images):
-            kwargs["image_data"] = images
-        if any(videos):
-            kwargs["video_data"] = videos
         raw = self.api.call(self.engine, "Engine", "generate", **kwargs)
         results = raw if isinstance(raw, list) else [raw]
         if len(results) != len(input_ids):

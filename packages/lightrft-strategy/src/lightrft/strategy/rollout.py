@@ -10,6 +10,7 @@ engine's tensor-parallel groups (``engine_tp_size`` consecutive ranks).
 from __future__ import annotations
 
 import logging
+import re
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
@@ -296,6 +297,7 @@ class InferenceEngineCalls:
         images_num: Sequence[int] | None = None,
         all_videos: Sequence[Any] | None = None,
         videos_num: Sequence[int] | None = None,
+        **more_media: Any,
     ) -> list[GenerationOutput]:
         """Generate for this rank's prompts: the prompts of the engine's tensor-parallel
         group are gathered, checked (an empty prompt, a token id outside the vocabulary
@@ -307,7 +309,10 @@ class InferenceEngineCalls:
         Our form: ``gather_and_generate(prompts, sampling)``. Upstream's form:
         ``gather_and_generate(sampling_params, all_prompt_token_ids=...)`` (or
         ``all_prompts`` with ``all_images``/``images_num``/``all_videos``/``videos_num``
-        for multimodal engines): it wakes the engine first and, unless
+        for multimodal engines; each prompt gets all of its items, in order; another
+        registered modality comes with its own keywords, e.g. ``all_audios`` and
+        ``audios_num``, see :mod:`lightrft.engines.multimodal`): it wakes the engine
+        first and, unless
         ``sleep_engine=False``, puts it back to sleep after (when sleep is enabled).
         ``sampling`` may be :class:`lightrft.engines.SamplingParams` or the engine's own
         (vLLM's ``SamplingParams`` pass through to vLLM unchanged)."""
@@ -328,19 +333,29 @@ class InferenceEngineCalls:
                 "sampling) with a list of token-id lists, or upstream's "
                 "gather_and_generate(sampling_params, all_prompt_token_ids=[...])"
             )
-        self.wakeup_inference_engine()
+        more = _more_media(more_media)
         multimodal = any(x is not None for x in (all_images or ())) or any(
             x is not None for x in (all_videos or ())
         )
+        multimodal = multimodal or any(items is not None for items, _ in more.values())
+        refused: Exception | None = None  # raised on every rank of the group, below
         if multimodal:
-            inputs: list[Any] = build_multimodal_inputs(
-                all_prompts or [], all_images, images_num, all_videos, videos_num
-            )
+            from lightrft.engines.multimodal import MediaError
+
+            try:
+                inputs: list[Any] = build_multimodal_inputs(
+                    all_prompts if all_prompts is not None else list(all_prompt_token_ids or []),
+                    all_images, images_num, all_videos, videos_num, **more,
+                )  # fmt: skip
+            except MediaError as exc:
+                inputs, refused = [], exc
         elif all_prompt_token_ids is not None:
             inputs = list(all_prompt_token_ids)
         else:
             inputs = [{"prompt": text} for text in all_prompts or []]
-        outputs = self._gather_generate(inputs, sampling_params)
+        if refused is None:
+            self.wakeup_inference_engine()
+        outputs = self._gather_generate(inputs, sampling_params, refused=refused)
         if sleep_engine is not False:
             self.maybe_sleep_inference_engine()
         return outputs
@@ -386,14 +401,30 @@ class InferenceEngineCalls:
                 describe=lambda _, index=index: describe(index),
             )  # fmt: skip
 
-    def _gather_generate(self, prompts: Sequence[Any], sampling: Any) -> list[GenerationOutput]:
+    def _gather_generate(
+        self, prompts: Sequence[Any], sampling: Any, refused: Exception | None = None
+    ) -> list[GenerationOutput]:
+        """``refused``: this rank's inputs could not be built; every rank of the group
+        raises it (named with the rank), none generates."""
         engine = self._require_engine("gather_and_generate")
         group_ranks = self._engine_group_ranks
         if len(group_ranks) == 1:
+            if refused is not None:
+                raise refused
             self._check_prompts(engine, list(prompts), sampling, [len(prompts)], self.get_rank())
             return list(engine.generate(list(prompts), sampling))
-        per_rank: list[Any] = [None] * len(group_ranks)
-        dist.all_gather_object(per_rank, list(prompts), group=self._engine_group)
+        mine = (list(prompts), None if refused is None else str(refused))
+        gathered: list[Any] = [None] * len(group_ranks)
+        dist.all_gather_object(gathered, mine, group=self._engine_group)
+        errors = [
+            (rank, error) for rank, (_, error) in zip(group_ranks, gathered, strict=True) if error
+        ]
+        if errors:
+            from lightrft.engines.multimodal import MediaError
+
+            rank, error = errors[0]
+            raise MediaError(f"rank {rank}: {error}")
+        per_rank = [chunk for chunk, _ in gathered]
         everything = [prompt for chunk in per_rank for prompt in chunk]
         # every rank checks the same prompts: all raise, none has started generating
         self._check_prompts(
@@ -444,6 +475,29 @@ class InferenceEngineCalls:
             engine.wake_up(tags)
 
 
+def _more_media(kwargs: Mapping[str, Any]) -> dict[str, tuple[Any, Any]]:
+    """Keywords of registered modalities other than image and video -> {name: (items,
+    counts)}; an unknown keyword is a TypeError naming the ones accepted."""
+    if not kwargs:
+        return {}
+    from lightrft.engines.multimodal import MODALITIES
+
+    extra = {m.name: m for m in MODALITIES.values() if m.name not in ("image", "video")}
+    accepted = {arg for m in extra.values() for arg in (m.items_arg, m.counts_arg)}
+    unknown = sorted(set(kwargs) - accepted)
+    if unknown:
+        raise TypeError(
+            f"gather_and_generate got unexpected keyword(s) {unknown}; other modalities' "
+            f"keywords: {sorted(accepted) or 'none registered'} "
+            "(lightrft.engines.multimodal.register_modality)"
+        )
+    return {
+        name: (kwargs.get(m.items_arg), kwargs.get(m.counts_arg))
+        for name, m in extra.items()
+        if m.items_arg in kwargs or m.counts_arg in kwargs
+    }
+
+
 def is_engine(model: Any) -> bool:
     """Whether ``model`` is a rollout engine rather than a training model (upstream's
     test: it has ``wake_up``; here also ``generate``, as the protocol requires)."""
@@ -483,33 +537,28 @@ def build_multimodal_inputs(
     images_num: Sequence[int] | None,
     videos: Sequence[Any] | None,
     videos_num: Sequence[int] | None,
+    **more: tuple[Sequence[Any] | None, Sequence[int] | None],
 ) -> list[dict[str, Any]]:
-    """Upstream's multimodal prompts: one ``{"prompt": text, "multi_modal_data":
-    {"image": [...], "video": [...]}}`` per prompt (no ``multi_modal_data`` when it has
-    neither). ``images``/``videos`` are either one list per prompt or one flat list cut
-    by ``images_num``/``videos_num``."""
+    """Upstream's multimodal prompts in the canonical form
+    (:func:`lightrft.engines.multimodal.build_multimodal_inputs`): one ``{"prompt": text,
+    "multi_modal_data": {"image": [...], "video": [...]}}`` per prompt, every item of a
+    prompt in order (none: no ``multi_modal_data``). ``images``/``videos`` are one list
+    per prompt or one flat list cut by ``images_num``/``videos_num``; ``more`` maps other
+    registered modalities to (items, counts). Counts and items that disagree raise
+    :class:`lightrft.engines.multimodal.MediaError` naming the prompt. As upstream, a
+    text prompt left without images or videos loses its vision placeholders
+    (``<|vision_start|><|image_pad|>...<|vision_end|>``)."""
+    from lightrft.engines.multimodal import build_multimodal_inputs as canonical
 
-    def media(
-        items: Sequence[Any] | None, counts: Sequence[int] | None, i: int, at: int
-    ) -> list[Any]:
-        count = counts[i] if counts is not None else 0
-        if items is None or count == 0:
-            return []
-        if i < len(items) and isinstance(items[i], list) and len(items[i]) == count:
-            return list(items[i])
-        return list(items[at : at + count])
-
-    out: list[dict[str, Any]] = []
-    image_at = video_at = 0
-    for i, prompt in enumerate(prompts):
-        data: dict[str, Any] = {}
-        image_list = media(images, images_num, i, image_at)
-        video_list = media(videos, videos_num, i, video_at)
-        if image_list and image_list[0] is not None:
-            data["image"] = image_list
-        if video_list and video_list[0] is not None:
-            data["video"] = video_list
-        out.append({"prompt": prompt, "multi_modal_data": data} if data else {"prompt": prompt})
-        image_at += images_num[i] if images_num is not None else 0
-        video_at += videos_num[i] if videos_num is not None else 0
+    media = {"image": (images, images_num), "video": (videos, videos_num), **more}
+    out = canonical(prompts, {k: v for k, v in media.items() if v[0] is not None or v[1]})
+    for entry in out:
+        text = entry.get("prompt")
+        if isinstance(text, str) and "multi_modal_data" not in entry:
+            entry["prompt"] = _VISION_PLACEHOLDERS.sub("", text)
     return out
+
+
+_VISION_PLACEHOLDERS = re.compile(
+    r"<\|vision_start\|>((<\|image_pad\|>)+|(<\|video_pad\|>)+)<\|vision_end\|>"
+)

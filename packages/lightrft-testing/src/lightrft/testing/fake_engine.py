@@ -119,6 +119,8 @@ class FakeEngine:
         self.bucket_sizes: list[int] = []
         self._pending_buckets: list[int] = []
         self.generate_calls = 0
+        #: The prompts of the last :meth:`generate` call, as received (media included).
+        self.last_prompts: list[Prompt] = []
         self.closed = False
         self._pending: dict[str, WeightRecord] = {}
 
@@ -146,6 +148,7 @@ class FakeEngine:
         sampling = as_sampling_params(sampling)
         self.state.check_generate()
         self.generate_calls += 1
+        self.last_prompts = list(prompts)
         seed = sampling.seed or 0
         stops = set(sampling.stop_token_ids)
         outputs = []
