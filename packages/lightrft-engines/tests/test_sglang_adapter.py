@@ -56,8 +56,9 @@ def api() -> SGLangAPI:
 class SGLangSide:
     """What SGLang's Engine and its TP workers do with the adapter's calls, on CPU: the
     payloads go through SGLang's own serializer and tensor classes, once per TP rank
-    as its workers unwrap them, into a transformers model. Released weights come back
-    as the initial ones (SGLang's CPU backup is of the weights it started with)."""
+    as its workers unwrap them, into a transformers model. Released weights are not kept
+    (a release keeps no parameters): here a resume brings back the initial ones, so
+    serving them would be the stale-weights bug."""
 
     def __init__(self, api: SGLangAPI, model_dir: Path, tp_size: int = 1) -> None:
         from transformers import AutoModelForCausalLM
@@ -355,7 +356,7 @@ def test_level_2_sleep_then_wake_cannot_bring_back_old_weights(
     trained = [o.output_token_ids for o in engine.generate(prompts, greedy)]
     engine.sleep(2)
     assert side.released == {"kv_cache", "cuda_graph", "weights"}
-    engine.wake_up(["weights"])  # SGLang brings back its initial weights here
+    engine.wake_up(["weights"])  # the stand-in brings back its initial weights here
     with pytest.raises(EngineError, match="kv_cache asleep"):
         engine.generate(prompts, greedy)
     engine.wake_up(["kv_cache"])

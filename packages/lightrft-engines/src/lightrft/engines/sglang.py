@@ -16,10 +16,11 @@ opens one and :meth:`finish_weight_update` closes it. Every call is bound to the
 installed SGLang's signature first (:mod:`.sglang_api`).
 
 Sleep: level 1 releases the KV cache and CUDA graphs (weights stay); level 2 also
-releases the weights. SGLang keeps no copy of released weights it could trust (its
-CPU backup is of the weights it started with), so after a level-2 sleep the engine
-refuses to generate until a full sync (:class:`SleepState`): waking can never bring
-back old weights. Wake order: ``wake_up(["weights"])``, sync, ``wake_up(["kv_cache"])``.
+releases the weights. A release keeps no parameters (SGLang's memory saver frees
+them), so whatever a resume brings back is not the synced weights: after a level-2
+sleep the engine refuses to generate until a full sync (:class:`SleepState`), and
+waking can never serve old or initial weights. Wake order: ``wake_up(["weights"])``,
+sync, ``wake_up(["kv_cache"])``.
 
 What SGLang does to the calling process, and what the adapter does about it: its
 ``Engine`` sets ``NCCL_CUMEM_ENABLE``, ``NCCL_NVLS_ENABLE`` and
