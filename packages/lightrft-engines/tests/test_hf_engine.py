@@ -151,7 +151,8 @@ def test_bad_prompts_name_the_prompt_the_value_and_the_limit(tiny_model_dir: Pat
 def test_a_prompt_with_images_is_refused_not_served_without_them(tiny_model_dir: Path) -> None:
     engine = _engine(tiny_model_dir)
     prompts: list[Any] = [[1, 2], {"prompt_token_ids": [3], "multi_modal_data": {"image": ["a"]}}]
-    expected = (r"prompt 1 carries image items, but the hf engine serves text-only causal "
-                r"LMs; use engine_type='vllm' or 'sglang'")  # fmt: skip
+    expected = (r"prompt 1 carries image items, but this hf engine serves a text-only "
+                r"model \(no media_processor\); load a vision-language model, or use "
+                r"engine_type='vllm' or 'sglang'")  # fmt: skip
     with pytest.raises(EngineError, match=expected):
         engine.generate(prompts, SamplingParams(max_new_tokens=2))

@@ -6,6 +6,11 @@ sampled tokens (from the raw logits). It is the engine where vLLM is absent, and
 reference the other engines are tested against. It does not shard (``engine_tp_size``
 must be 1: each rank holds a full copy).
 
+Vision-language models (a config with ``vision_config``) load with
+``AutoModelForImageTextToText``; a prompt's images and videos go through the model's
+own processors (:mod:`.hf_vision`), one prompt (its ``n`` samples) per ``generate``
+call. A prompt with media for a text-only model is refused, never served without them.
+
 Weight sync: ``update_weights`` checks each tensor's name and shape and stages a copy;
 ``finish_weight_update`` checks nothing is missing and only then copies every staged
 tensor into the model, so a mismatched sync leaves the previous weights in place.
@@ -16,7 +21,7 @@ marks them stale, so generation refuses until the next sync.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -27,6 +32,7 @@ from lightrft.engines.protocol import (
     EngineError,
     GenerationOutput,
     Prompt,
+    PromptError,
     SleepState,
     as_sampling_params,
     check_prompts,
@@ -35,6 +41,11 @@ from lightrft.engines.protocol import (
 from lightrft.engines.spec import EngineSpec
 
 logger = logging.getLogger(__name__)
+
+#: ``(token_ids, media, where) -> (expanded_ids, model_kwargs)``: see :mod:`.hf_vision`.
+MediaProcessor = Callable[
+    [Sequence[int], Mapping[str, Sequence[Any]], str], tuple[list[int], dict[str, torch.Tensor]]
+]
 
 _TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -59,6 +70,9 @@ class HFEngine:
         max_model_len: prompt + new tokens limit (default: the model's
             ``max_position_embeddings``).
         max_batch_size: rows (prompts x n) per ``generate`` call (None: all at once).
+        media_processor: for a vision-language model, ``(token_ids, media, where) ->
+            (expanded_ids, model_kwargs)`` (:class:`~.hf_vision.PlaceholderExpander` is
+            built for the Qwen2-VL family); None: prompts with media are refused.
     """
 
     supports_sleep = True
@@ -71,16 +85,19 @@ class HFEngine:
         device: str | torch.device = "cpu",
         max_model_len: int | None = None,
         max_batch_size: int | None = None,
+        media_processor: MediaProcessor | None = None,
     ) -> None:
         self.device = torch.device(device)
         self.model = model.to(self.device).eval()
         config: Any = model.config
-        self.vocab_size: int = int(config.vocab_size)
+        text: Any = config.get_text_config() if hasattr(config, "get_text_config") else config
+        self.vocab_size: int = int(text.vocab_size)
         self.max_model_len: int | None = max_model_len or getattr(
-            config, "max_position_embeddings", None
+            text, "max_position_embeddings", None
         )
         self.max_batch_size = max_batch_size
-        self.pad_token_id = int(getattr(config, "pad_token_id", None) or 0)
+        self.media_processor = media_processor
+        self.pad_token_id = int(getattr(text, "pad_token_id", None) or 0)
         self.state = SleepState(supports_sleep=True)
         self.weight_version = 0
         self._params = dict(self.model.named_parameters())
@@ -97,15 +114,24 @@ class HFEngine:
             )
         transformers = _transformers()
         path = spec.require_model_path()
-        model = transformers.AutoModelForCausalLM.from_pretrained(
-            path, dtype=_TORCH_DTYPES.get(spec.dtype, torch.float32)
-        )
+        dtype = _TORCH_DTYPES.get(spec.dtype, torch.float32)
         options = dict(spec.native)
+        media_processor = options.pop("media_processor", None)
+        config = transformers.AutoConfig.from_pretrained(path)
+        if getattr(config, "vision_config", None) is not None:  # a vision-language model
+            model = transformers.AutoModelForImageTextToText.from_pretrained(path, dtype=dtype)
+            if media_processor is None and getattr(config, "image_token_id", None) is not None:
+                from lightrft.engines.hf_vision import PlaceholderExpander
+
+                media_processor = PlaceholderExpander.from_pretrained(path, config)
+        else:
+            model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
         return cls(
             model,
             device=spec.device,
             max_model_len=spec.max_model_len,
             max_batch_size=options.pop("max_batch_size", None),
+            media_processor=media_processor,
         )
 
     # -- generation --------------------------------------------------------------------
@@ -117,25 +143,59 @@ class HFEngine:
             raise EngineError(
                 f"the hf engine takes no native sampling options; got {sorted(params.native)}"
             )
-        for index, prompt in enumerate(prompts):
-            media = prompt_media(prompt)
-            if media:  # never dropped silently
-                raise EngineError(
-                    f"prompt {index} carries {', '.join(sorted(media))} items, but the hf "
-                    "engine serves text-only causal LMs; use engine_type='vllm' or 'sglang' "
-                    "for a vision-language model"
-                )
+        media = [prompt_media(prompt) for prompt in prompts]
+        if any(media) and self.media_processor is None:  # never dropped silently
+            index = next(i for i, m in enumerate(media) if m)
+            raise EngineError(
+                f"prompt {index} carries {', '.join(sorted(media[index]))} items, but this "
+                "hf engine serves a text-only model (no media_processor); load a "
+                "vision-language model, or use engine_type='vllm' or 'sglang'"
+            )
         ids = check_prompts(
             prompts, params, vocab_size=self.vocab_size, max_model_len=self.max_model_len
         )
-        rows = [prompt for prompt in ids for _ in range(params.n)]
+        text = [i for i, m in enumerate(media) if not m]
+        rows = [ids[i] for i in text for _ in range(params.n)]
         step = self.max_batch_size or len(rows) or 1
-        outputs: list[GenerationOutput] = []
+        by_prompt: dict[int, list[GenerationOutput]] = {}
+        done: list[GenerationOutput] = []
         for start in range(0, len(rows), step):
-            outputs.extend(self._generate_rows(rows[start : start + step], params))
+            done.extend(self._generate_rows(rows[start : start + step], params))
+        for k, i in enumerate(text):
+            by_prompt[i] = done[k * params.n : (k + 1) * params.n]
+        for i, items in enumerate(media):
+            if items:
+                by_prompt[i] = self._generate_media(ids[i], items, params, f"prompt {i}")
+        return [out for i in range(len(prompts)) for out in by_prompt[i]]
+
+    def _generate_media(
+        self, ids: list[int], media: dict[str, list[Any]], params: Any, where: str
+    ) -> list[GenerationOutput]:
+        """One prompt with media: its ``n`` samples in one batch (the media repeated)."""
+        assert self.media_processor is not None
+        expanded, extra = self.media_processor(ids, media, where)
+        if self.max_model_len is not None and len(expanded) + params.max_new_tokens > (
+            self.max_model_len
+        ):
+            raise PromptError(
+                f"{where}: {len(expanded)} prompt tokens with its media + max_new_tokens="
+                f"{params.max_new_tokens} exceed the engine's max_model_len={self.max_model_len}"
+            )
+        dtype = next(self.model.parameters()).dtype
+        batch = {
+            key: torch.cat([value] * params.n).to(
+                self.device, dtype if value.is_floating_point() else value.dtype
+            )
+            for key, value in extra.items()
+        }
+        outputs = self._generate_rows([expanded] * params.n, params, batch)
+        for out in outputs:
+            out.prompt_token_ids = list(ids)  # as given, one placeholder per item
         return outputs
 
-    def _generate_rows(self, rows: list[list[int]], params: Any) -> list[GenerationOutput]:
+    def _generate_rows(
+        self, rows: list[list[int]], params: Any, extra: dict[str, torch.Tensor] | None = None
+    ) -> list[GenerationOutput]:
         transformers = _transformers()
         width = max(len(r) for r in rows)
         input_ids = torch.full((len(rows), width), self.pad_token_id, dtype=torch.long)
@@ -163,6 +223,7 @@ class HFEngine:
                 input_ids=input_ids.to(self.device),
                 attention_mask=mask.to(self.device),
                 generation_config=config,
+                **(extra or {}),
             )
         new = out.sequences[:, width:].cpu()
         logprobs = None

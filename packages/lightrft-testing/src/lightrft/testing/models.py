@@ -185,3 +185,37 @@ def save_tiny_qwen2(path: str | Path, seed: int = 0, **overrides: Any) -> Path:
     model = tiny_hf_causal_lm(**{**ENGINE_QWEN2, **overrides})
     model.save_pretrained(str(path))  # type: ignore[operator]
     return Path(path)
+
+
+#: The tiny Qwen2-VL (a vision-language model): the text side of :data:`ENGINE_QWEN2`
+#: with a vocabulary of 512 (ids 500-503 are its image, video, vision-start and
+#: vision-end tokens), a one-block vision tower with 14-pixel patches merged 2x2, and an
+#: image processor that resizes every image to 56x56 pixels (16 patches, 4 tokens).
+TINY_QWEN2_VL: dict[str, Any] = {
+    "text_config": {
+        "vocab_size": 512, "hidden_size": 128, "intermediate_size": 256,
+        "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1,
+        "max_position_embeddings": 256, "eos_token_id": None, "bos_token_id": None,
+        "rope_scaling": {"type": "mrope", "mrope_section": [8, 12, 12]},
+    },
+    "vision_config": {
+        "depth": 1, "embed_dim": 64, "hidden_size": 128, "num_heads": 2, "mlp_ratio": 2,
+        "patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2, "in_chans": 3,
+    },
+    "image_token_id": 500, "video_token_id": 501,
+    "vision_start_token_id": 502, "vision_end_token_id": 503,
+}  # fmt: skip
+
+
+def save_tiny_qwen2_vl(path: str | Path, seed: int = 0) -> Path:
+    """Save a random Qwen2-VL of :data:`TINY_QWEN2_VL` and its image processor to
+    ``path`` (no download): returns the directory. Needs transformers and torchvision."""
+    transformers = _transformers("save_tiny_qwen2_vl")
+    torch.manual_seed(seed)
+    model = transformers.Qwen2VLForConditionalGeneration(
+        transformers.Qwen2VLConfig(**TINY_QWEN2_VL)
+    )
+    model.save_pretrained(str(path))
+    processor = transformers.Qwen2VLImageProcessor(min_pixels=56 * 56, max_pixels=56 * 56)
+    processor.save_pretrained(str(path))
+    return Path(path)
