@@ -476,3 +476,34 @@ def test_two_ranks_each_send_their_copy_and_the_leader_loads_both(
     assert ranks[0]["exact"] and ranks[0]["loaded"]  # each TP rank's copy, equal
     assert ranks[0]["tokens"] == ranks[0]["reference"]
     assert ranks[0]["version"] == ranks[1]["version"] == 1
+
+
+def _leader_fails(model_dir: str) -> str:
+    from lightrft.engines import EngineSpec
+
+    api = load_api()
+
+    class Refuses:
+        def construct(self, engine: Any, **server: Any) -> None:
+            raise RuntimeError("no CUDA device")
+
+    api.names = {**api.names, "Engine": stand_in(api["Engine"], Refuses(), methods=[])}
+    adapter.load_api = lambda: api  # type: ignore[assignment]  # this rank's process only
+    spec = EngineSpec(engine_type="sglang", model_path=model_dir, tp_size=2, device="cuda")
+    try:
+        adapter.SGLangEngine.from_spec(spec)
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "started"
+
+
+@pytest.mark.distributed
+def test_a_leader_whose_sglang_fails_to_start_does_not_leave_its_group_waiting(
+    tiny_model_dir: Path,
+) -> None:
+    from lightrft.testing.launcher import run_distributed
+
+    ranks = run_distributed(_leader_fails, 2, str(tiny_model_dir), timeout=300)
+    assert ranks[0] == "RuntimeError: no CUDA device"
+    assert ranks[1] == ("EngineError: SGLang did not start on rank 0, this group's leader: "
+                        "RuntimeError: no CUDA device")  # fmt: skip

@@ -180,6 +180,7 @@ class SGLangEngine:
         group, leader, local_rank = _tp_group(spec.tp_size)
         engine = None
         started: list[int] = []
+        failure: BaseException | None = None
         if leader:
             contained = _Contained()
             server = {
@@ -199,16 +200,27 @@ class SGLangEngine:
             if spec.max_model_len is not None:
                 server["context_length"] = spec.max_model_len
             server.update(spec.native)
-            api.check_call("ServerArgs", "", server)
             try:
+                api.check_call("ServerArgs", "", server)
                 engine = api["Engine"](**server)
+            except Exception as exc:  # told to the whole group below, then raised
+                failure = exc
             finally:
                 contained.restore()
             started = contained.started
-        if group is not None:
+        if group is not None:  # every rank learns whether the leader's engine started
             import torch.distributed as dist
 
-            dist.barrier(group=group)
+            ranks = dist.get_process_group_ranks(group)
+            told: list[Any] = [None] * len(ranks)
+            mine = None if failure is None else f"{type(failure).__name__}: {failure}"
+            dist.all_gather_object(told, mine, group=group)
+            if told[0] is not None and failure is None:
+                raise EngineError(
+                    f"SGLang did not start on rank {ranks[0]}, this group's leader: {told[0]}"
+                )
+        if failure is not None:
+            raise failure
         vocab, context = _model_limits(path, spec.max_model_len)
         return cls(
             engine,
