@@ -19,7 +19,7 @@ import importlib
 import inspect
 import re
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from lightrft.engines.protocol import EngineError
@@ -140,6 +140,9 @@ class SGLangAPI:
     names: Mapping[str, Any]
     weight_update_session: bool
     flattened_bucket: bool
+    _signatures: dict[tuple[Any, str], tuple[inspect.Signature, tuple[None, ...]]] = field(
+        default_factory=dict, repr=False, compare=False
+    )
 
     def __getitem__(self, name: str) -> Any:
         return self.names[name]
@@ -152,16 +155,7 @@ class SGLangAPI:
         raises :class:`SGLangAPIError` naming the version, the range and the call."""
         target = self.names[owner]
         where = f"{owner}.{method}" if method else f"{owner}(...)"
-        try:
-            function = _callable_of(target, method)
-            signature = inspect.signature(function)
-        except (AttributeError, TypeError, ValueError) as exc:
-            raise SGLangAPIError(
-                f"{self.describe()} has no usable {where} ({exc}): the adapter calls it"
-            ) from None
-        params = list(signature.parameters.values())
-        needs_self = bool(method) and isinstance(target, type) and _is_plain_method(target, method)
-        args = (None,) if needs_self and params and params[0].name == "self" else ()
+        signature, args = self._signature(target, method, where)
         try:
             signature.bind(*args, **kwargs)
         except TypeError as exc:
@@ -170,6 +164,25 @@ class SGLangAPI:
                 f"arguments ({', '.join(kwargs) or 'none'}): {exc}. Install a supported "
                 "SGLang release"
             ) from None
+
+    def _signature(
+        self, target: Any, method: str, where: str
+    ) -> tuple[inspect.Signature, tuple[None, ...]]:
+        """``target.method``'s signature and the placeholder for ``self`` it needs, read
+        once per target (calls in a weight sync and per request bind many times)."""
+        key = (target, method)
+        if key not in self._signatures:
+            try:
+                signature = inspect.signature(_callable_of(target, method))
+            except (AttributeError, TypeError, ValueError) as exc:
+                raise SGLangAPIError(
+                    f"{self.describe()} has no usable {where} ({exc}): the adapter calls it"
+                ) from None
+            params = list(signature.parameters.values())
+            plain = bool(method) and isinstance(target, type) and _is_plain_method(target, method)
+            args = (None,) if plain and params and params[0].name == "self" else ()
+            self._signatures[key] = (signature, args)
+        return self._signatures[key]
 
     def call(self, obj: Any, owner: str, method: str, /, **kwargs: Any) -> Any:
         """``obj.method(**kwargs)`` (``obj(**kwargs)`` for ``method=""``) after
