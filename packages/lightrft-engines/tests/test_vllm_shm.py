@@ -58,7 +58,9 @@ def test_a_start_failure_names_the_segment_in_use_and_its_process(
     assert vllm_shm.explain_start_failure(RuntimeError("out of memory"), tmp_path) is None
 
 
-def test_own_segment_names_follow_vllms_naming() -> None:
+def test_own_segment_names_are_the_group_name_and_the_rank() -> None:
+    # that this is vLLM's naming is checked for real by the TP=2 vLLM test (engines(vllm)):
+    # the ranks end with os._exit and no segment is left behind
     group = SimpleNamespace(
         device_communicator=SimpleNamespace(
             rank=1, dist_module=SimpleNamespace(group_name="//-tp:0-[0-1]-cpushm")
