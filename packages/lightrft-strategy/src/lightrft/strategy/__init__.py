@@ -5,30 +5,51 @@
     # ready: joined the launched job (or a world of one), device picked, seeded
 
 Backends are imported only when selected: importing this package imports neither
-DeepSpeed nor any inference engine.
+DeepSpeed nor any inference engine, and its public names (and torch) load on first use.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from importlib import import_module
+from typing import TYPE_CHECKING, Any
 
-from lightrft.config import ConfigError, StrategyConfig
-from lightrft.strategy.base import StrategyBase
-from lightrft.strategy.checkpoint import (
-    CheckpointError,
-    CheckpointNotFoundError,
-    ForeignCheckpointError,
-    IncompleteCheckpointError,
-)
-from lightrft.strategy.construction import NotSetUpError
-from lightrft.strategy.registry import (
-    UnknownBackendError,
-    available_backends,
-    get_backend,
-    get_strategy,
-    register_backend,
-)
-from lightrft.strategy.rollout import is_engine
+if TYPE_CHECKING:  # the names below are imported on first use (see __getattr__)
+    from lightrft.config import ConfigError, StrategyConfig
+    from lightrft.strategy.base import StrategyBase
+    from lightrft.strategy.checkpoint import (
+        CheckpointError,
+        CheckpointNotFoundError,
+        ForeignCheckpointError,
+        IncompleteCheckpointError,
+    )
+    from lightrft.strategy.construction import NotSetUpError
+    from lightrft.strategy.registry import (
+        UnknownBackendError,
+        available_backends,
+        get_backend,
+        get_strategy,
+        register_backend,
+    )
+    from lightrft.strategy.rollout import is_engine
+
+# Public name -> the module that defines it. Imported lazily, so that importing a
+# submodule that needs no torch (the ``lightrft`` command's parser) stays fast.
+_LAZY = {
+    "ConfigError": "lightrft.config",
+    "StrategyConfig": "lightrft.config",
+    "StrategyBase": "lightrft.strategy.base",
+    "CheckpointError": "lightrft.strategy.checkpoint",
+    "CheckpointNotFoundError": "lightrft.strategy.checkpoint",
+    "ForeignCheckpointError": "lightrft.strategy.checkpoint",
+    "IncompleteCheckpointError": "lightrft.strategy.checkpoint",
+    "NotSetUpError": "lightrft.strategy.construction",
+    "UnknownBackendError": "lightrft.strategy.registry",
+    "available_backends": "lightrft.strategy.registry",
+    "get_backend": "lightrft.strategy.registry",
+    "get_strategy": "lightrft.strategy.registry",
+    "register_backend": "lightrft.strategy.registry",
+    "is_engine": "lightrft.strategy.rollout",
+}
 
 
 def get_fake_strategy(
@@ -36,6 +57,8 @@ def get_fake_strategy(
 ) -> StrategyBase:
     """A ready single-process ``FakeStrategy`` for tests: the backend registered as
     ``fake`` (by lightrft-testing, through the ``lightrft.strategies`` entry points)."""
+    from lightrft.strategy.registry import UnknownBackendError, get_backend
+
     try:
         cls = get_backend("fake")
     except UnknownBackendError as exc:
@@ -47,6 +70,10 @@ def get_fake_strategy(
 
 
 def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        value = getattr(import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
     if name == "__version__":
         from importlib.metadata import version
 
