@@ -518,3 +518,24 @@ def multimodal_gather_case(cfg: dict[str, Any]) -> dict[str, Any]:
         "error": error,
         "calls_after_error": engine.generate_calls - calls,
     }
+
+
+def hf_checkpoint_case(cfg: dict[str, Any], save_dir: str, hf_dir: str, steps: int = 2) -> None:
+    """Train a tiny HF causal LM ``steps`` steps, then ``save_ckpt`` to ``save_dir`` and
+    ``save_model`` to ``hf_dir``: the two outputs ``lightrft ckpt export`` must agree on."""
+    strategy = get_strategy(cfg)
+    torch.manual_seed(cfg["seed"])
+    with strategy.init_model_context():
+        model = tiny_hf_causal_lm()
+    (actor, optim, sched), *_ = strategy.prepare_models_and_optimizers(
+        model, None, None, None, None, max_steps=10
+    )
+    generator = torch.Generator().manual_seed(strategy.get_rank())
+    for _ in range(steps * strategy.accumulated_gradient):
+        ids = torch.randint(0, 128, (1, 12), generator=generator)
+        loss = actor(input_ids=ids, labels=ids).loss
+        strategy.backward(loss, actor, optim)
+        strategy.optimizer_step(optim, actor, sched)
+    strategy.save_ckpt(actor, save_dir)
+    strategy.save_model(actor, None, hf_dir)
+    strategy.close()

@@ -43,6 +43,41 @@ def _drop_tied_duplicates(
     return out
 
 
+def write_weight_files(
+    tensors: dict[str, torch.Tensor], output_dir: Path, max_shard_bytes: int = DEFAULT_SHARD_BYTES
+) -> list[Path]:
+    """``model.safetensors``, or numbered shards of at most ``max_shard_bytes`` plus
+    ``model.safetensors.index.json``; earlier weight files in ``output_dir`` are removed
+    first. Tensors must not share memory. Returns the files written."""
+    output_dir.mkdir(parents=True, exist_ok=True)
+    for stale in [*output_dir.glob("model*.safetensors"), *output_dir.glob("model*.index.json")]:
+        stale.unlink()  # a previous export's weights must not mix with this one
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, tensor in tensors.items():
+        nbytes = tensor.numel() * tensor.element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = tensor.contiguous()
+        size += nbytes
+    files: list[Path] = []
+    if len(shards) == 1:
+        files.append(output_dir / "model.safetensors")
+        save_file(shards[0], files[0], metadata={"format": "pt"})
+        return files
+    weight_map = {}
+    for index, shard in enumerate(shards, start=1):
+        file = output_dir / f"model-{index:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, file, metadata={"format": "pt"})
+        files.append(file)
+        weight_map.update(dict.fromkeys(shard, file.name))
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    index_json = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (output_dir / "model.safetensors.index.json").write_text(json.dumps(index_json, indent=2))
+    return files
+
+
 def write_hf_checkpoint(
     state: dict[str, torch.Tensor],
     model: nn.Module,
@@ -54,33 +89,7 @@ def write_hf_checkpoint(
     """Write ``state`` as ``model.safetensors`` (or numbered shards plus
     ``model.safetensors.index.json``), then config.json / generation_config.json when
     the model has them, then the tokenizer's files. Returns the weight files."""
-    output_dir.mkdir(parents=True, exist_ok=True)
-    for stale in [*output_dir.glob("model*.safetensors"), *output_dir.glob("model*.index.json")]:
-        stale.unlink()  # a previous export's weights must not mix with this one
-    tensors = _drop_tied_duplicates(state, model)
-    shards: list[dict[str, torch.Tensor]] = [{}]
-    size = 0
-    for name, tensor in tensors.items():
-        nbytes = tensor.numel() * tensor.element_size()
-        if shards[-1] and size + nbytes > max_shard_bytes:
-            shards.append({})
-            size = 0
-        shards[-1][name] = tensor
-        size += nbytes
-    files: list[Path] = []
-    if len(shards) == 1:
-        files.append(output_dir / "model.safetensors")
-        save_file(shards[0], files[0], metadata={"format": "pt"})
-    else:
-        weight_map = {}
-        for index, shard in enumerate(shards, start=1):
-            file = output_dir / f"model-{index:05d}-of-{len(shards):05d}.safetensors"
-            save_file(shard, file, metadata={"format": "pt"})
-            files.append(file)
-            weight_map.update(dict.fromkeys(shard, file.name))
-        total = sum(t.numel() * t.element_size() for t in tensors.values())
-        index_json = {"metadata": {"total_size": total}, "weight_map": weight_map}
-        (output_dir / "model.safetensors.index.json").write_text(json.dumps(index_json, indent=2))
+    files = write_weight_files(_drop_tied_duplicates(state, model), output_dir, max_shard_bytes)
     config = getattr(model, "config", None)
     if config is not None and hasattr(config, "save_pretrained"):
         config.save_pretrained(output_dir)

@@ -198,9 +198,10 @@ class CheckpointDir:
         return deleted
 
     # -- loading -------------------------------------------------------------------------
-    def resolve(self, tag: str | None, *, backend: str) -> CheckpointInfo:
+    def resolve(self, tag: str | None, *, backend: str | None) -> CheckpointInfo:
         """The checkpoint to load (``tag``, else the one ``latest`` names), verified: it
-        is complete, every file has the size it was saved with, and ``backend`` wrote it."""
+        is complete, every file has the size it was saved with, and ``backend`` wrote it
+        (any backend when ``backend`` is None)."""
         if not self.root.is_dir():
             raise CheckpointNotFoundError(f"no checkpoint directory at {self.root}")
         if tag is None:
@@ -236,7 +237,7 @@ class CheckpointDir:
                 f"{path / METADATA_FILE} is unreadable or of an unknown format version "
                 f"(this LightRFT reads format {FORMAT_VERSION})"
             )
-        if meta.get("backend") != backend:
+        if backend is not None and meta.get("backend") != backend:
             raise ForeignCheckpointError(
                 f"{path} was saved by the {meta.get('backend')!r} backend; this strategy is "
                 f"{backend!r}. Load it with backend={meta.get('backend')!r}, or export the "

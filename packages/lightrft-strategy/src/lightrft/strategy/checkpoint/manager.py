@@ -14,6 +14,12 @@ Inside a tag directory, besides what the backend writes (``save_backend_state``)
     steps.json                the model's step counters, global_steps and micro_steps
                               (rank 0)
     client_state.pt           the caller's client_state (plain values only; rank 0)
+    hf_config.json            the model's Hugging Face config, when it has one (rank 0;
+                              what ``lightrft ckpt export`` writes as config.json)
+
+The metadata's ``model`` entry lists the model's class, its parameters in order (name,
+shape, dtype, requires_grad) and persistent buffers, and ``optimizer`` the optimizer's
+class: what ``lightrft ckpt`` needs to read or convert the checkpoint without the model.
 
 ``load_checkpoint(module_only=True)`` restores only the model's weights and returns
 ``client_state``.
@@ -98,6 +104,8 @@ def save_checkpoint(
         "has_scheduler": scheduler is not None,
         "backend_info": strategy.checkpoint_info(),
         "versions": _versions(),
+        "model": model_layout(strategy.unwrap_model(model)),
+        "optimizer": _qualified_name(optimizer) if optimizer is not None else None,
     }
     final = ckpt.commit(tag, staging, metadata, update_latest=save_latest)
     ckpt.rotate(
@@ -111,6 +119,51 @@ def save_checkpoint(
     return final
 
 
+def _qualified_name(obj: Any) -> str:
+    """The user's class: past DeepSpeed's ZeRO optimizer wrapper (it holds the user's
+    optimizer) and FSDP2's generated ``FSDP<Model>`` subclass."""
+    inner = getattr(obj, "optimizer", None)
+    if isinstance(inner, torch.optim.Optimizer):
+        obj = inner
+    cls = next(
+        (c for c in type(obj).__mro__ if not c.__module__.startswith("torch.distributed.fsdp")),
+        type(obj),
+    )
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def model_layout(model: nn.Module) -> dict[str, Any]:
+    """The model's class, parameters (name, global shape, dtype, requires_grad) in
+    ``named_parameters`` order and persistent buffers: plain JSON, no gathering
+    (a ZeRO-3 parameter's shape is its ``ds_shape``; an FSDP2 DTensor's is global)."""
+
+    def shape(tensor: torch.Tensor) -> list[int]:
+        return [int(n) for n in getattr(tensor, "ds_shape", tensor.shape)]
+
+    buffers = []
+    for module_name, module in model.named_modules():
+        skipped: set[str] = getattr(module, "_non_persistent_buffers_set", set())
+        for name, buffer in module.named_buffers(recurse=False):
+            if buffer is not None and name not in skipped:
+                full = f"{module_name}.{name}" if module_name else name
+                buffers.append([full, shape(buffer), str(buffer.dtype).removeprefix("torch.")])
+    return {
+        "class": _qualified_name(model),
+        "parameters": [
+            [name, shape(p), str(p.dtype).removeprefix("torch."), bool(p.requires_grad)]
+            for name, p in model.named_parameters()
+        ],
+        "buffers": buffers,
+    }
+
+
+def _write_hf_config(model: nn.Module, staging: Path) -> None:
+    config = getattr(model, "config", None)
+    to_json = getattr(config, "to_json_string", None)
+    if callable(to_json):
+        (staging / "hf_config.json").write_text(str(to_json(use_diff=False)))
+
+
 def _write_rank0_pieces(
     strategy: StrategyBase,
     model: nn.Module,
@@ -121,6 +174,7 @@ def _write_rank0_pieces(
     if scheduler is not None:
         save_plain(scheduler.state_dict(), staging / "scheduler.pt", "scheduler state")
     save_plain(client_state, staging / "client_state.pt", "client_state")
+    _write_hf_config(strategy.unwrap_model(model), staging)
     loaders = [loader.state_dict() for loader in strategy.tracked_dataloaders()]
     (staging / "dataloaders.json").write_text(json.dumps(loaders))
     step_state = strategy.step_state(model)

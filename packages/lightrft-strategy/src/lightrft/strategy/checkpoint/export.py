@@ -1,0 +1,137 @@
+"""A checkpoint's model as a Hugging Face model directory, in one process on CPU.
+
+    report = export_hf(open_checkpoint("ckpts"), Path("hf_out"))
+
+Reads the checkpoint's full weights (:mod:`.offline`): every name of the model's state
+dict, as ``save_model`` writes them (a tied parameter under each of its names), each
+cast to the dtype the model held it in (or ``dtype``), then
+writes safetensors and ``config.json`` into a staging directory, reads every tensor back
+and compares it with its source, and only then renames the staging directory to the
+output.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from lightrft.strategy.checkpoint.layout import CheckpointError, CheckpointInfo
+from lightrft.strategy.checkpoint.offline import read_contents
+from lightrft.strategy.checkpoint.staging import check_output, staged_output
+from lightrft.strategy.checkpoint.verify import Verification
+
+Progress = Callable[[str, int, int], None]
+"""``progress(stage, done, total)``: called as tensors are written and verified."""
+
+HF_CONFIG_FILE = "hf_config.json"
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass
+class ExportReport:
+    output: Path
+    files: list[Path]
+    tensors: int
+    bytes: int
+    verification: Verification
+
+
+def read_hf_config(info: CheckpointInfo, hf_config: str | Path | None) -> str:
+    """The config.json text: from ``hf_config`` (a model directory or a config file)
+    when given, else the one ``save_ckpt`` recorded."""
+    if hf_config is not None:
+        path = Path(hf_config)
+        path = path / "config.json" if path.is_dir() else path
+        try:
+            text = path.read_text(encoding="utf-8")
+            json.loads(text)
+        except (OSError, ValueError) as exc:
+            raise CheckpointError(
+                f"--hf-config {hf_config}: cannot read a JSON config from {path} ({exc}); give "
+                "a Hugging Face model directory or its config.json"
+            ) from exc
+        return text
+    recorded = info.path / HF_CONFIG_FILE
+    if not recorded.is_file():
+        raise CheckpointError(
+            f"{info.path} records no Hugging Face config ({HF_CONFIG_FILE}): the model had no "
+            "`config`, or the checkpoint predates lightrft-strategy 0.3. Pass --hf-config "
+            "with the model directory (or config.json) the run started from"
+        )
+    return recorded.read_text(encoding="utf-8")
+
+
+def model_tensor_names(info: CheckpointInfo) -> dict[str, str] | None:
+    """Parameter and buffer names the model declared, with their dtypes; None when the
+    checkpoint predates the record."""
+    model = info.metadata.get("model")
+    if not isinstance(model, dict):
+        return None
+    names = {str(entry[0]): str(entry[2]) for entry in model.get("parameters", [])}
+    names.update({str(entry[0]): str(entry[2]) for entry in model.get("buffers", [])})
+    return names
+
+
+def hf_state(
+    info: CheckpointInfo, weights: dict[str, torch.Tensor], dtype: str | None
+) -> dict[str, torch.Tensor]:
+    """The tensors a Hugging Face directory holds, in the model's dtype (or ``dtype``),
+    contiguous and not sharing memory."""
+    declared = model_tensor_names(info) or {}
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in weights.items():
+        if dtype is not None:
+            target = DTYPES[dtype]
+        elif name in declared:
+            target = getattr(torch, declared[name], tensor.dtype)
+        else:
+            target = tensor.dtype
+        out[name] = tensor.detach().to("cpu", target).contiguous().clone()
+    return out
+
+
+def export_hf(
+    info: CheckpointInfo,
+    out: Path,
+    *,
+    hf_config: str | Path | None = None,
+    dtype: str | None = None,
+    force: bool = False,
+    max_shard_bytes: int = 5 * 2**30,
+    progress: Progress | None = None,
+) -> ExportReport:
+    """Export ``info``'s model to ``out`` (see the module's docstring)."""
+    from safetensors import safe_open
+
+    from lightrft.strategy.hf_export import write_weight_files
+
+    if dtype is not None and dtype not in DTYPES:
+        raise ValueError(f"dtype={dtype!r} is not one of {sorted(DTYPES)}")
+    check_output(out, force=force)  # before reading anything
+    config_text = read_hf_config(info, hf_config)
+    state = hf_state(info, read_contents(info, optimizer=False).weights, dtype)
+    with staged_output(out, force=force) as staging:
+        files = write_weight_files(state, staging, max_shard_bytes)
+        (staging / "config.json").write_text(config_text, encoding="utf-8")
+        verification = Verification()
+        seen: set[str] = set()
+        for file in files:
+            with safe_open(str(file), framework="pt") as handle:
+                for name in handle.keys():  # noqa: SIM118 - safe_open is not a mapping
+                    seen.add(name)
+                    if name in state:
+                        verification.check(name, state[name], handle.get_tensor(name))
+                        if progress is not None:
+                            progress("verify", len(seen), len(state))
+        verification.extra(sorted(seen - set(state)))
+        for name in sorted(set(state) - seen):
+            verification.check(name, state[name], None)
+        verification.raise_if_failed(f"the export of {info.path}")
+    total = sum(t.numel() * t.element_size() for t in state.values())
+    return ExportReport(
+        out.absolute(), [out.absolute() / f.name for f in files], len(state), total, verification
+    )
