@@ -152,3 +152,16 @@ def load_case(stage: int, load_dir: str) -> str:
     finally:
         strategy.close()
     return "loaded"
+
+
+def clip_after_load_case(stage: int, load_dir: str, max_norm: float) -> float:
+    """Load ``load_dir`` into a ZeRO-``stage`` run configured with ``max_norm``; return
+    the gradient clipping DeepSpeed's optimizer then applies."""
+    strategy = get_strategy(ds(stage, train_batch_size=4, max_norm=max_norm))
+    (actor, optim, _), *_ = strategy.prepare_models_and_optimizers(
+        TinyRegressor(), None, None, None, None, 10
+    )
+    strategy.load_ckpt(actor, load_dir)
+    clip = float(optim.clip_grad)
+    strategy.close()
+    return clip

@@ -124,6 +124,16 @@ def test_checkpoint_of_another_stage_or_world_size_is_refused(tmp_path: Path) ->
     assert {p.name: p.stat().st_size for p in tag.iterdir()} == before  # nothing touched
 
 
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_resumed_run_clips_at_its_own_max_norm(stage: int, tmp_path: Path) -> None:
+    """ZeRO's optimizers restore the clipping a checkpoint was saved with (0.3 here);
+    the resumed run's max_norm decides."""
+    run = {"init_process_group": False, "timeout": 300}
+    run_distributed(ds_workers.teardown_case, 2, stage, str(tmp_path), **run)
+    clips = run_distributed(ds_workers.clip_after_load_case, 2, stage, str(tmp_path), 2.5, **run)
+    assert clips == [2.5, 2.5]
+
+
 def test_ema_of_zero3_model_equals_ema_of_unsharded_training() -> None:
     cfg = ds_workers.ds(3)
     ranks = run_distributed(

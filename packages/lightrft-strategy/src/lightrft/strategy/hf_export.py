@@ -17,11 +17,28 @@ logger = logging.getLogger(__name__)
 DEFAULT_SHARD_BYTES = 5 * 2**30
 
 
+def tied_aliases(model: nn.Module) -> dict[str, str]:
+    """Each parameter name after the first that names the same parameter -> the first."""
+    first: dict[int, str] = {}
+    aliases: dict[str, str] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if id(param) in first:
+            aliases[name] = first[id(param)]
+        else:
+            first[id(param)] = name
+    return aliases
+
+
 def _drop_tied_duplicates(
     state: dict[str, torch.Tensor], model: nn.Module
 ) -> dict[str, torch.Tensor]:
-    """safetensors refuses tensors sharing memory: keep the first name of each storage,
-    dropping names the model declares tied (HF re-ties them on load) and cloning others."""
+    """Drop the second name of each tied parameter (HF re-ties them on load, and every
+    backend's full state dict then writes the same names, whether or not its gathered
+    tensors share memory); safetensors refuses tensors sharing memory, so of the
+    remaining names keep the first of each storage, dropping names the model declares
+    tied and cloning others."""
+    aliases = set(tied_aliases(model))
+    state = {name: tensor for name, tensor in state.items() if name not in aliases}
     tied = set(getattr(model, "_tied_weights_keys", None) or [])
     seen: dict[tuple[int, int, tuple[int, ...]], str] = {}
     out: dict[str, torch.Tensor] = {}

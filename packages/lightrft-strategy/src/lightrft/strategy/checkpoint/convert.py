@@ -49,6 +49,7 @@ ADAM_CLASSES = ("torch.optim.adamw.AdamW", "torch.optim.adam.Adam")
 #: the pieces of a checkpoint that every backend writes alike (see .manager)
 SHARED_FILES = ("scheduler.pt", "client_state.pt", "dataloaders.json", "steps.json")
 DROPPABLE = ("optimizer", "rng")
+PRECISIONS = ("fp32", "bf16", "fp16")
 
 
 class UncarriedStateError(CheckpointError):
@@ -100,13 +101,15 @@ def convert(
     *,
     zero_stage: int | None = None,
     world_size: int | None = None,
+    precision: str | None = None,
     drop: tuple[str, ...] = (),
     force: bool = False,
     progress: Progress | None = None,
     timeout: float = 1800.0,
 ) -> ConvertReport:
     """Convert ``info`` into a ``target`` checkpoint in the ``save_dir`` ``out`` (see the
-    module's docstring). ``world_size`` defaults to the source's."""
+    module's docstring). ``world_size`` defaults to the source's; ``precision`` (the
+    DeepSpeed run's: its files differ between fp32 and bf16) to the source's, else fp32."""
     if target not in TARGETS:
         raise ValueError(f"--to {target!r} is not a backend this converts to; use one of {TARGETS}")
     for name in drop:
@@ -117,6 +120,10 @@ def convert(
     if world < 1:
         raise ValueError(f"--world-size {world} must be >= 1")
     stage = _target_stage(target, zero_stage)
+    if precision is not None and (target != "deepspeed" or precision not in PRECISIONS):
+        raise ValueError(
+            f"--precision {precision!r}: give one of {PRECISIONS}, with --to deepspeed only"
+        )
     if "model" not in source_meta:
         raise CheckpointError(
             f"{info.path} does not record its model's parameters (saved before "
@@ -149,11 +156,16 @@ def convert(
         else:
             from lightrft.strategy.checkpoint.deepspeed_files import write_deepspeed
 
-            write_deepspeed(contents, tag_dir, stage=stage, world_size=world, timeout=timeout)
-            backend_info = {
-                "zero_stage": stage,
-                "precision": source_meta.get("backend_info", {}).get("precision", "fp32"),
-            }
+            precision = precision or source_meta.get("backend_info", {}).get("precision") or "fp32"
+            write_deepspeed(
+                contents,
+                tag_dir,
+                stage=stage,
+                world_size=world,
+                precision=precision,
+                timeout=timeout,
+            )
+            backend_info = {"zero_stage": stage, "precision": precision}
         _copy_shared(info.path, tag_dir, copy_rng="rng" not in dropped)
         metadata = {
             key: value

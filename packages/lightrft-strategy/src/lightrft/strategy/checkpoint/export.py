@@ -2,8 +2,8 @@
 
     report = export_hf(open_checkpoint("ckpts"), Path("hf_out"))
 
-Reads the checkpoint's full weights (:mod:`.offline`): every name of the model's state
-dict, as ``save_model`` writes them (a tied parameter under each of its names), each
+Reads the checkpoint's full weights (:mod:`.offline`): the names ``save_model`` writes
+(a tied parameter under its first name only; Hugging Face re-ties it on load), each
 cast to the dtype the model held it in (or ``dtype``), then
 writes safetensors and ``config.json`` into a staging directory, reads every tensor back
 and compares it with its source, and only then renames the staging directory to the
@@ -82,8 +82,11 @@ def hf_state(
     """The tensors a Hugging Face directory holds, in the model's dtype (or ``dtype``),
     contiguous and not sharing memory."""
     declared = model_tensor_names(info) or {}
+    tied = (info.metadata.get("model") or {}).get("tied") or {}
     out: dict[str, torch.Tensor] = {}
     for name, tensor in weights.items():
+        if name in tied:
+            continue  # the second name of a tied parameter, as save_model leaves it out
         if dtype is not None:
             target = DTYPES[dtype]
         elif name in declared:

@@ -18,8 +18,9 @@ Inside a tag directory, besides what the backend writes (``save_backend_state``)
                               what ``lightrft ckpt export`` writes as config.json)
 
 The metadata's ``model`` entry lists the model's class, its parameters in order (name,
-shape, dtype, requires_grad) and persistent buffers, and ``optimizer`` the optimizer's
-class: what ``lightrft ckpt`` needs to read or convert the checkpoint without the model.
+shape, dtype, requires_grad), tied names and persistent buffers, and ``optimizer`` the
+optimizer's class: what ``lightrft ckpt`` needs to read or convert the checkpoint
+without the model.
 
 ``load_checkpoint(module_only=True)`` restores only the model's weights and returns
 ``client_state``.
@@ -40,6 +41,7 @@ from torch import nn
 from lightrft.strategy.checkpoint.layout import CheckpointDir, CheckpointError, check_tag
 from lightrft.strategy.checkpoint.rng import capture_rng_state, restore_rng_state
 from lightrft.strategy.checkpoint.safe_io import check_plain, load_plain, save_plain
+from lightrft.strategy.hf_export import tied_aliases
 
 if TYPE_CHECKING:
     from lightrft.strategy.base import StrategyBase
@@ -106,6 +108,7 @@ def save_checkpoint(
         "versions": _versions(),
         "model": model_layout(strategy.unwrap_model(model)),
         "optimizer": _qualified_name(optimizer) if optimizer is not None else None,
+        "optimizer_groups": optimizer_groups(strategy.unwrap_model(model), optimizer),
     }
     final = ckpt.commit(tag, staging, metadata, update_latest=save_latest)
     ckpt.rotate(
@@ -134,7 +137,8 @@ def _qualified_name(obj: Any) -> str:
 
 def model_layout(model: nn.Module) -> dict[str, Any]:
     """The model's class, parameters (name, global shape, dtype, requires_grad) in
-    ``named_parameters`` order and persistent buffers: plain JSON, no gathering
+    ``named_parameters`` order, tied names (alias -> the parameter's first name) and
+    persistent buffers: plain JSON, no gathering
     (a ZeRO-3 parameter's shape is its ``ds_shape``; an FSDP2 DTensor's is global)."""
 
     def shape(tensor: torch.Tensor) -> list[int]:
@@ -149,12 +153,26 @@ def model_layout(model: nn.Module) -> dict[str, Any]:
                 buffers.append([full, shape(buffer), str(buffer.dtype).removeprefix("torch.")])
     return {
         "class": _qualified_name(model),
+        "tied": tied_aliases(model),
         "parameters": [
             [name, shape(p), str(p.dtype).removeprefix("torch."), bool(p.requires_grad)]
             for name, p in model.named_parameters()
         ],
         "buffers": buffers,
     }
+
+
+def optimizer_groups(model: nn.Module, optimizer: Any) -> list[list[str]] | None:
+    """The parameter names of each optimizer group, in order, when the optimizer holds
+    the model's own parameters (not ZeRO's flat partitions, whose files name them)."""
+    groups = getattr(optimizer, "param_groups", None)
+    if not groups:
+        return None
+    names = {id(p): name for name, p in model.named_parameters()}
+    try:
+        return [[names[id(p)] for p in group["params"]] for group in groups]
+    except (KeyError, TypeError):
+        return None
 
 
 def _write_hf_config(model: nn.Module, staging: Path) -> None:

@@ -176,6 +176,11 @@ def export(
     "--world-size", type=int, help="The world size the target resumes at (default: the source's)."
 )
 @click.option(
+    "--precision",
+    type=click.Choice(["fp32", "bf16", "fp16"]),
+    help="The DeepSpeed run's precision (--to deepspeed; default: the source's, else fp32).",
+)
+@click.option(
     "--drop",
     multiple=True,
     type=click.Choice(["optimizer", "rng"]),
@@ -190,6 +195,7 @@ def convert(
     tag: str | None,
     zero_stage: int | None,
     world_size: int | None,
+    precision: str | None,
     drop: tuple[str, ...],
     force: bool,
     progress: bool,
@@ -207,6 +213,7 @@ def convert(
             target,
             zero_stage=zero_stage,
             world_size=world_size,
+            precision=precision,
             drop=drop,
             force=force,
             progress=update,

@@ -588,6 +588,10 @@ class DeepspeedStrategy(StrategyBase):
             raise CheckpointError(
                 f"DeepSpeed found no engine checkpoint in {directory}; it may be incomplete"
             )
+        # ZeRO's optimizers restore the gradient clipping the checkpoint was saved with;
+        # this run's configuration (max_norm) decides, as it does on every other backend.
+        if hasattr(engine.optimizer, "clip_grad"):
+            engine.optimizer.clip_grad = engine.gradient_clipping()
 
     # -- teardown ------------------------------------------------------------------------
     def close(self) -> None:

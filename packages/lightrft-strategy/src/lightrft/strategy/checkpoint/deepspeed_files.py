@@ -1,0 +1,317 @@
+"""DeepSpeed's engine files in a tag directory, read in one process, and written by a
+job of CPU ranks (:mod:`.deepspeed_writer`).
+
+Files (world size N; a ``bf16_`` prefix on the optimizer files in bf16 mode):
+
+- stage 0: ``mp_rank_00_model_states.pt`` (``module``: full weights; ``optimizer``:
+  torch's own ``state_dict()``, integer ids, no names);
+- stages 1, 2: ``mp_rank_00_model_states.pt`` (``param_shapes``: per group, the names and
+  shapes in layout order) and one ``zero_pp_rank_{r}_mp_rank_00_optim_states.pt`` per
+  rank: the rank's slice of each group's flat fp32 vector (its tail padding stripped),
+  and the base optimizer's state of that flat slice (moments still padded);
+- stage 3: one ``zero_pp_rank_{r}_mp_rank_00_model_states.pt`` and one ``..._optim_states.pt``
+  per rank: per sub-group, for every parameter in order, the rank's piece of
+  ``ceil(numel / N)`` elements (the last rank's padded with zeros).
+
+Every file is loaded with ``torch.load(weights_only=True)``, allowing only the DeepSpeed
+classes its checkpoints hold (see :mod:`lightrft.strategy.deepspeed.safe_checkpoint`).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lightrft.strategy.checkpoint.layout import CheckpointError, CheckpointInfo
+from lightrft.strategy.checkpoint.offline import CheckpointContents, OptimizerContents
+
+MOMENTS = ("exp_avg", "exp_avg_sq")
+_RANK_FILE = re.compile(r"(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_00_(model|optim)_states\.pt")
+
+
+def _load(path: Path) -> Any:
+    try:
+        from lightrft.strategy.deepspeed.safe_checkpoint import _allowed_globals
+    except ImportError as exc:
+        raise CheckpointError(
+            f"reading the DeepSpeed checkpoint {path.parent} needs DeepSpeed's classes: "
+            "pip install 'lightrft-strategy[deepspeed]'"
+        ) from exc
+    try:
+        with torch.serialization.safe_globals(_allowed_globals()):
+            return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
+        raise CheckpointError(
+            f"cannot read {path} ({type(exc).__name__}: {first}); the file is corrupt or not "
+            "a DeepSpeed checkpoint file written by LightRFT"
+        ) from exc
+
+
+def _rank_files(tag_dir: Path, kind: str) -> list[Path]:
+    """``[bf16_]zero_pp_rank_{r}_mp_rank_00_<kind>_states.pt`` by rank, checked 0..N-1."""
+    found: dict[int, Path] = {}
+    for path in tag_dir.iterdir():
+        match = _RANK_FILE.fullmatch(path.name)
+        if match and match.group(2) == kind:
+            found[int(match.group(1))] = path
+    if sorted(found) != list(range(len(found))):
+        raise CheckpointError(
+            f"{tag_dir} has {kind}-state files for ranks {sorted(found)}, not 0..N-1: a rank's "
+            "file is missing"
+        )
+    return [found[rank] for rank in range(len(found))]
+
+
+def _hyperparameters(group: Mapping[str, Any]) -> dict[str, Any]:
+    return {key: value for key, value in group.items() if key != "params"}
+
+
+class _Reader:
+    """Collects full tensors by name: weights (fp32 master), moments, steps, groups."""
+
+    def __init__(self, tag_dir: Path) -> None:
+        self.tag_dir = tag_dir
+        self.weights: dict[str, torch.Tensor] = {}
+        self.state: dict[str, dict[str, torch.Tensor]] = {}
+        self.groups: list[dict[str, Any]] = []
+
+    def put(self, name: str, key: str, tensor: torch.Tensor) -> None:
+        if key == "fp32":
+            self.weights[name] = tensor
+        else:
+            self.state.setdefault(name, {})[key] = tensor
+
+    def put_step(self, name: str, step: Any) -> None:
+        if step is not None:
+            value = step.detach().clone() if torch.is_tensor(step) else torch.tensor(float(step))
+            self.state.setdefault(name, {})["step"] = value
+
+    # -- stage 1 and 2 ---------------------------------------------------------------------
+    def zero12(self, shards: list[dict[str, Any]], model: dict[str, Any]) -> None:
+        aligns = shards[0].get("param_alignment_paddings")
+        for g, shapes in enumerate(model["param_shapes"]):
+            flat: dict[str, list[torch.Tensor]] = {"fp32": [], "exp_avg": [], "exp_avg_sq": []}
+            step, hyper = None, {}
+            for shard in shards:
+                lean = shard["single_partition_of_fp32_groups"][g]
+                flat["fp32"].append(lean)
+                base = shard["base_optimizer_state"]
+                if isinstance(base, dict):
+                    state = base["state"].get(base["param_groups"][g]["params"][0], {})
+                    hyper = _hyperparameters(base["param_groups"][g])
+                else:  # elastic checkpoints: lean per-group states, no hyperparameters
+                    state = base[g]
+                for key in MOMENTS:
+                    if key in state:  # moments keep the rank's tail padding: cut it
+                        flat[key].append(state[key].reshape(-1)[: lean.numel()])
+                step = state.get("step", step)
+            full = {k: torch.cat(v) for k, v in flat.items() if len(v) == len(shards)}
+            offset, names = 0, []
+            for i, (name, shape) in enumerate(shapes.items()):
+                numel = math.prod(shape)
+                if offset + numel > full["fp32"].numel():
+                    raise CheckpointError(
+                        f"{self.tag_dir}: group {g} holds {full['fp32'].numel()} values, but "
+                        f"its parameters need more (at {name!r}); the files do not belong "
+                        "together"
+                    )
+                for key, vector in full.items():
+                    self.put(name, key, vector.narrow(0, offset, numel).view(shape).clone())
+                self.put_step(name, step)
+                offset += numel + (aligns[g][i] if aligns is not None else 0)
+                names.append(name)
+            self.groups.append({**hyper, "params": names})
+        module = model.get("module") or {}
+        for name in model.get("frozen_param_shapes") or {}:
+            if name in module:
+                self.weights[name] = module[name]
+
+    # -- stage 3 ---------------------------------------------------------------------------
+    def zero3(self, shards: list[dict[str, Any]], models: list[dict[str, Any]]) -> None:
+        world = len(shards)
+        param_shapes = models[0]["param_shapes"]
+        base0 = shards[0]["optimizer_state_dict"]
+        # torch numbers the flat sub-group tensors group by group
+        sub_groups, start = [], 0
+        for group in base0["param_groups"]:
+            sub_groups.append(range(start, start + len(group["params"])))
+            start += len(group["params"])
+        if start != len(param_shapes):
+            raise CheckpointError(
+                f"{self.tag_dir}: {start} flat optimizer tensors but {len(param_shapes)} "
+                "groups of parameter shapes; the files do not belong together"
+            )
+        for g, group in enumerate(base0["param_groups"]):
+            names: list[str] = []
+            for j, s in enumerate(sub_groups[g]):
+                parts = {"fp32": [shard["fp32_flat_groups"][s] for shard in shards]}
+                states = []
+                for shard in shards:
+                    torch_state = shard["optimizer_state_dict"]
+                    pid = torch_state["param_groups"][g]["params"][j]
+                    states.append(torch_state["state"].get(pid, {}))
+                for key in MOMENTS:
+                    if all(key in state for state in states):
+                        parts[key] = [state[key].reshape(-1) for state in states]
+                step = states[0].get("step")
+                offset = 0
+                for name, shape in param_shapes[s].items():
+                    numel = math.prod(shape)
+                    piece = math.ceil(numel / world)
+                    for key, ranks in parts.items():
+                        full = torch.cat([r.narrow(0, offset, piece) for r in ranks])
+                        self.put(name, key, full[:numel].view(shape).clone())
+                    self.put_step(name, step)
+                    offset += piece
+                    names.append(name)
+            self.groups.append({**_hyperparameters(group), "params": names})
+        for name, shape in (models[0].get("frozen_param_shapes") or {}).items():
+            pieces = [m["frozen_param_fragments"][name].reshape(-1) for m in models]
+            self.weights[name] = torch.cat(pieces)[: math.prod(shape)].view(shape).clone()
+
+    # -- stage 0 ---------------------------------------------------------------------------
+    def zero0(self, model: dict[str, Any], group_names: list[list[str]] | None) -> None:
+        module, torch_state = model["module"], model.get("optimizer")
+        buffers = set(model.get("buffer_names") or [])
+        for name, tensor in module.items():
+            if name not in buffers:
+                self.weights[name] = tensor
+        if torch_state is None:
+            return
+        if group_names is None:
+            if len(torch_state["param_groups"]) != 1:
+                raise CheckpointError(
+                    f"{self.tag_dir} is a ZeRO stage 0 checkpoint whose optimizer groups are "
+                    "not named in its metadata (saved before lightrft-strategy 0.3); convert "
+                    "it with --drop optimizer"
+                )
+            group_names = [[name for name in module if name not in buffers]]
+        for group, names in zip(torch_state["param_groups"], group_names, strict=True):
+            if len(group["params"]) != len(names):
+                raise CheckpointError(
+                    f"{self.tag_dir}: an optimizer group has {len(group['params'])} parameters, "
+                    f"the metadata names {len(names)}"
+                )
+            for pid, name in zip(group["params"], names, strict=True):
+                state = torch_state["state"].get(pid, {})
+                for key in MOMENTS:
+                    if key in state:
+                        self.put(name, key, state[key].clone())
+                self.put_step(name, state.get("step"))
+            self.groups.append({**_hyperparameters(group), "params": list(names)})
+
+
+def read_deepspeed(info: CheckpointInfo, optimizer: bool) -> CheckpointContents:
+    """Full weights (fp32 master weights), buffers and (with ``optimizer``) Adam state of
+    the DeepSpeed checkpoint ``info``, by parameter name, in one process."""
+    tag_dir = info.path
+    reader = _Reader(tag_dir)
+    optim_files = _rank_files(tag_dir, "optim")
+    if not optim_files:
+        model = _load(tag_dir / "mp_rank_00_model_states.pt")
+        reader.zero0(model, info.metadata.get("optimizer_groups"))
+    else:
+        shards = [_load(path)["optimizer_state_dict"] for path in optim_files]
+        stage = int(shards[0]["zero_stage"])
+        if stage <= 2:
+            model = _load(tag_dir / "mp_rank_00_model_states.pt")
+            reader.zero12(shards, model)
+        else:
+            models = [_load(path) for path in _rank_files(tag_dir, "model")]
+            if len(models) != len(shards):
+                raise CheckpointError(
+                    f"{tag_dir} has {len(models)} model-state and {len(shards)} optimizer-state "
+                    "files; a rank's file is missing"
+                )
+            model = models[0]
+            reader.zero3(shards, models)
+    module = model.get("module") or {}
+    for name in model.get("buffer_names") or []:
+        if name in module:
+            reader.weights[name] = module[name]
+    for alias, source in (model.get("shared_params") or {}).items():
+        if source in reader.weights:
+            reader.weights[alias] = reader.weights[source]
+    contents = CheckpointContents(info, reader.weights)
+    if optimizer and reader.state:
+        contents.optimizer = OptimizerContents(reader.state, reader.groups)
+    elif optimizer and info.metadata.get("has_optimizer"):
+        contents.notes.append("the optimizer had not stepped when saved: it holds no state")
+    return contents
+
+
+# -- writing: a job of CPU ranks running DeepSpeed ------------------------------------
+
+
+def write_deepspeed(
+    contents: CheckpointContents,
+    tag_dir: Path,
+    *,
+    stage: int,
+    world_size: int,
+    precision: str = "fp32",
+    timeout: float = 1800.0,
+) -> None:
+    """DeepSpeed's engine files for ``contents`` at ZeRO ``stage`` and ``world_size``,
+    written by DeepSpeed itself: ``world_size`` CPU ranks (gloo) each build the model's
+    parameters (from the recorded layout), set the full state into a fresh engine
+    (:func:`lightrft.strategy.checkpoint.deepspeed_writer.set_full_state`) and save."""
+    try:
+        import deepspeed  # noqa: F401
+    except ImportError as exc:
+        raise CheckpointError(
+            "converting to DeepSpeed runs DeepSpeed: pip install 'lightrft-strategy[deepspeed]'"
+        ) from exc
+    meta = contents.info.metadata
+    groups = (
+        [dict(g) for g in contents.optimizer.param_groups]
+        if contents.optimizer is not None
+        else [{"params": names} for names in meta.get("optimizer_groups") or []]
+    )
+    payload = {
+        "layout": meta["model"],
+        "weights": contents.weights,
+        "state": contents.optimizer.state if contents.optimizer is not None else {},
+        "groups": groups,
+        "stage": stage,
+        "precision": precision,
+    }
+    with tempfile.TemporaryDirectory(prefix="lightrft-convert-") as scratch:
+        payload_file = Path(scratch) / "state.pt"
+        torch.save(payload, payload_file)
+        env = dict(os.environ)
+        env.setdefault("OMP_NUM_THREADS", "1")
+        if sys.platform.startswith("linux"):
+            env.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        env["CUDA_VISIBLE_DEVICES"] = ""  # written on CPU, whatever the machine has
+        command = [
+            sys.executable, "-m", "torch.distributed.run", "--standalone",
+            f"--nproc-per-node={world_size}",
+            "-m", "lightrft.strategy.checkpoint.deepspeed_writer",
+            str(payload_file), str(tag_dir),
+        ]  # fmt: skip
+        try:
+            done = subprocess.run(
+                command, env=env, capture_output=True, text=True, timeout=timeout, check=False
+            )
+        except subprocess.TimeoutExpired as exc:
+            raise CheckpointError(
+                f"DeepSpeed's writers ({world_size} CPU ranks) did not finish in {timeout:.0f} "
+                "s; nothing was kept"
+            ) from exc
+    if done.returncode != 0:
+        tail = "\n".join((done.stderr or done.stdout).strip().splitlines()[-15:])
+        raise CheckpointError(
+            f"DeepSpeed's writers ({world_size} CPU ranks, ZeRO stage {stage}) failed with exit "
+            f"status {done.returncode}; nothing was kept. Their last lines:\n{tail}"
+        )

@@ -1,0 +1,105 @@
+"""``lightrft ckpt`` with DeepSpeed checkpoints written by 2-rank ZeRO jobs: export to
+Hugging Face equal to ``save_model``'s, and conversions between FSDP2 and DeepSpeed
+after which the run resumes as if it had never moved (N steps on one backend, convert,
+M steps on the other == N+M steps on the first, within the backends' parity tolerance)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from lightrft.testing.launcher import run_distributed
+from tests import ds_workers, workers
+from tests.test_ckpt_cli import hf_weights, logits_of, run_cli
+
+pytestmark = pytest.mark.deepspeed
+RUN = {"max_steps": 6, "init_process_group": False, "timeout": 300}
+CONFIGS = {
+    "fsdp2": workers.config(),
+    "zero2": ds_workers.ds(2),
+    "zero3": ds_workers.ds(3),
+}
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_zero_checkpoint_exports_like_save_model(stage: int, tmp_path: Path) -> None:
+    cfg = ds_workers.ds(stage, train_batch_size=2, micro_train_batch_size=1)
+    save_dir, saved_model = tmp_path / "ckpt", tmp_path / "hf"
+    run_distributed(
+        workers.hf_checkpoint_case, 2, cfg, str(save_dir), str(saved_model),
+        init_process_group=False, timeout=300,
+    )  # fmt: skip
+    out = tmp_path / "exported"
+    result = run_cli("ckpt", "export", save_dir, "--to", "hf", out, "--no-progress")
+    assert "max abs diff 0" in result.stdout
+    expected, exported = hf_weights(saved_model), hf_weights(out)
+    assert exported.keys() == expected.keys()
+    for name, tensor in expected.items():
+        assert torch.equal(exported[name], tensor), name
+    torch.testing.assert_close(logits_of(out), logits_of(saved_model), rtol=0, atol=0)
+    info = json.loads(run_cli("ckpt", "info", save_dir, "--json").stdout)
+    (tag,) = info["tags"]
+    assert (tag["backend"], tag["zero_stage"], tag["world_size"]) == ("deepspeed", stage, 2)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """Per backend: 6 uninterrupted steps, and 3 steps saved to a save_dir."""
+    root = tmp_path_factory.mktemp("runs")
+    found: dict[str, Any] = {}
+    for name in ("fsdp2", "zero2"):
+        full = run_distributed(workers.train, 2, CONFIGS[name], 6, **RUN)
+        save_dir = root / name
+        run_distributed(workers.train, 2, CONFIGS[name], 3, save_dir=str(save_dir), **RUN)
+        found[name] = {"full": full, "save_dir": save_dir}
+    return found
+
+
+@pytest.mark.parametrize(
+    ("source", "target"), [("fsdp2", "zero2"), ("zero2", "fsdp2"), ("fsdp2", "zero3")]
+)
+def test_conversion_resumes_where_the_run_left_off(
+    source: str, target: str, runs: dict[str, Any], tmp_path: Path
+) -> None:
+    out = tmp_path / target
+    args: list[str | Path] = ["ckpt", "convert", runs[source]["save_dir"], "--no-progress"]
+    if target == "fsdp2":
+        args += ["--to", "fsdp2", out]
+    else:
+        args += ["--to", "deepspeed", out, "--zero-stage", target[-1]]
+    result = run_cli(*args)
+    assert "max abs diff 0" in result.stdout
+    meta = json.loads((out / "global_step3" / "lightrft_checkpoint.json").read_text())
+    assert meta["converted_from"]["backend"] == ("fsdp2" if source == "fsdp2" else "deepspeed")
+    assert meta["has_optimizer"] is True
+
+    resumed = run_distributed(workers.train, 2, CONFIGS[target], 3, load_dir=str(out), **RUN)
+    full = runs[source]["full"]
+    # the backends agree within rtol 1e-5 / atol 1e-6 (reduction order differs)
+    torch.testing.assert_close(resumed[0]["losses"], full[0]["losses"][3:], rtol=1e-5, atol=1e-6)
+    workers.assert_states_close(resumed[0]["state"], full[0]["state"], rtol=1e-5, atol=1e-6)
+    for rank in range(2):  # the loader resumed mid-epoch at the same sample
+        assert resumed[rank]["used"] == full[rank]["used"][-len(resumed[rank]["used"]) :]
+    assert resumed[0]["lr"] == full[0]["lr"]
+
+
+def test_a_corrupt_zero_file_is_refused_and_leaves_no_output(
+    runs: dict[str, Any], tmp_path: Path
+) -> None:
+    import shutil
+
+    source = tmp_path / "zero2"
+    shutil.copytree(runs["zero2"]["save_dir"], source)
+    optim = next(source.glob("*/zero_pp_rank_1_mp_rank_00_optim_states.pt"))
+    optim.write_bytes(b"\0" * optim.stat().st_size)  # same size: only the content is wrong
+    out = tmp_path / "out"
+    result = run_cli("ckpt", "convert", source, "--to", "fsdp2", out, ok=False)
+    assert result.returncode == 1
+    assert "cannot read" in result.stderr and optim.name in result.stderr
+    assert not out.exists()
+    result = run_cli("ckpt", "export", source, "--to", "hf", out, ok=False)
+    assert result.returncode == 1 and "records no Hugging Face config" in result.stderr
