@@ -227,3 +227,25 @@ def test_fsdp2_conversion_resumes_exactly(tmp_path: Path) -> None:
     assert refused.returncode == 1 and "--drop rng" in refused.stderr
     assert not (tmp_path / "c").exists()
     assert os.listdir(tmp_path / "a")  # the source is untouched
+
+
+def test_state_that_cannot_be_carried_is_named_and_refused(
+    fsdp2_hf: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """An optimizer whose state is not Adam's is refused unless dropped; dropped, the
+    conversion carries the weights and says what it left behind."""
+    source = tmp_path / "sgd"
+    shutil.copytree(fsdp2_hf[0], source)
+    meta_file = next(source.glob("*/lightrft_checkpoint.json"))
+    meta = json.loads(meta_file.read_text())
+    meta["optimizer"] = "torch.optim.sgd.SGD"  # as an SGD run would record it
+    meta_file.write_text(json.dumps(meta))
+    out = tmp_path / "out"
+    refused = run_cli("ckpt", "convert", source, "--to", "fsdp2", out, ok=False)
+    assert refused.returncode == 1
+    assert "optimizer: the optimizer is torch.optim.sgd.SGD" in refused.stderr
+    assert "--drop optimizer" in refused.stderr and not out.exists()
+    done = run_cli("ckpt", "convert", source, "--to", "fsdp2", out, "--drop", "optimizer")
+    assert "dropped: optimizer" in done.stdout
+    info = json.loads(run_cli("ckpt", "info", out, "--json").stdout)
+    assert info["tags"][0]["has_optimizer"] is False

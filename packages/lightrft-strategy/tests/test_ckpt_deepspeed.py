@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 import torch
 
+from lightrft.strategy.checkpoint.offline import open_checkpoint, read_contents
 from lightrft.testing.launcher import run_distributed
 from tests import ds_workers, workers
 from tests.test_ckpt_cli import hf_weights, logits_of, run_cli
@@ -25,7 +26,7 @@ CONFIGS = {
 }
 
 
-@pytest.mark.parametrize("stage", [2, 3])
+@pytest.mark.parametrize("stage", [0, 2, 3])
 def test_zero_checkpoint_exports_like_save_model(stage: int, tmp_path: Path) -> None:
     cfg = ds_workers.ds(stage, train_batch_size=2, micro_train_batch_size=1)
     save_dir, saved_model = tmp_path / "ckpt", tmp_path / "hf"
@@ -103,3 +104,19 @@ def test_a_corrupt_zero_file_is_refused_and_leaves_no_output(
     assert not out.exists()
     result = run_cli("ckpt", "export", source, "--to", "hf", out, ok=False)
     assert result.returncode == 1 and "records no Hugging Face config" in result.stderr
+
+
+def test_conversion_to_another_world_size_loads_there(runs: dict[str, Any], tmp_path: Path) -> None:
+    """ZeRO files partition state per rank: converted for 1 rank, the checkpoint loads
+    into a 1-rank ZeRO-2 run, with the weights of the 2-rank run."""
+    out = tmp_path / "one_rank"
+    args = ["ckpt", "convert", runs["zero2"]["save_dir"], "--to", "deepspeed", out]
+    refused = run_cli(*args, "--zero-stage", "2", "--world-size", "1", ok=False)
+    assert refused.returncode == 1 and "--drop rng" in refused.stderr
+    run_cli(*args, "--zero-stage", "2", "--world-size", "1", "--drop", "rng", "--no-progress")
+    (loaded,) = run_distributed(
+        workers.load_full_checkpoint, 1, CONFIGS["zero2"], str(out),
+        init_process_group=False, timeout=300,
+    )  # fmt: skip
+    saved = read_contents(open_checkpoint(runs["zero2"]["save_dir"]), optimizer=False)
+    workers.assert_states_close(loaded["state"], saved.weights, rtol=0, atol=0)

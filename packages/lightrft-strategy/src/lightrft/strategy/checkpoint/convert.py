@@ -131,7 +131,7 @@ def convert(
             "it and save it again, then convert"
         )
     check_output(out, force=force)
-    contents = read_contents(info, optimizer="optimizer" not in drop)
+    contents = read_contents(info, optimizer="optimizer" not in drop, progress=progress)
     problems = _uncarried(contents, world)
     refused = {name: why for name, why in problems.items() if name not in drop}
     if refused:

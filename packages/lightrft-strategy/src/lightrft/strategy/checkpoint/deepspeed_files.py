@@ -25,7 +25,7 @@ import re
 import subprocess
 import sys
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -211,23 +211,37 @@ class _Reader:
             self.groups.append({**_hyperparameters(group), "params": list(names)})
 
 
-def read_deepspeed(info: CheckpointInfo, optimizer: bool) -> CheckpointContents:
+def read_deepspeed(
+    info: CheckpointInfo, optimizer: bool, progress: Callable[[str, int, int], None] | None = None
+) -> CheckpointContents:
     """Full weights (fp32 master weights), buffers and (with ``optimizer``) Adam state of
     the DeepSpeed checkpoint ``info``, by parameter name, in one process."""
     tag_dir = info.path
     reader = _Reader(tag_dir)
     optim_files = _rank_files(tag_dir, "optim")
+    model_files = _rank_files(tag_dir, "model") if optim_files else []
+    total = len(optim_files) + max(1, len(model_files))
+    done = 0
+
+    def load(path: Path) -> Any:
+        nonlocal done
+        loaded = _load(path)
+        done += 1
+        if progress is not None:
+            progress("read", done, total)
+        return loaded
+
     if not optim_files:
-        model = _load(tag_dir / "mp_rank_00_model_states.pt")
+        model = load(tag_dir / "mp_rank_00_model_states.pt")
         reader.zero0(model, info.metadata.get("optimizer_groups"))
     else:
-        shards = [_load(path)["optimizer_state_dict"] for path in optim_files]
+        shards = [load(path)["optimizer_state_dict"] for path in optim_files]
         stage = int(shards[0]["zero_stage"])
         if stage <= 2:
-            model = _load(tag_dir / "mp_rank_00_model_states.pt")
+            model = load(tag_dir / "mp_rank_00_model_states.pt")
             reader.zero12(shards, model)
         else:
-            models = [_load(path) for path in _rank_files(tag_dir, "model")]
+            models = [load(path) for path in model_files]
             if len(models) != len(shards):
                 raise CheckpointError(
                     f"{tag_dir} has {len(models)} model-state and {len(shards)} optimizer-state "

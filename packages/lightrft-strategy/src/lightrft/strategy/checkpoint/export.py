@@ -116,7 +116,8 @@ def export_hf(
         raise ValueError(f"dtype={dtype!r} is not one of {sorted(DTYPES)}")
     check_output(out, force=force)  # before reading anything
     config_text = read_hf_config(info, hf_config)
-    state = hf_state(info, read_contents(info, optimizer=False).weights, dtype)
+    weights = read_contents(info, optimizer=False, progress=progress).weights
+    state = hf_state(info, weights, dtype)
     with staged_output(out, force=force) as staging:
         files = write_weight_files(state, staging, max_shard_bytes)
         (staging / "config.json").write_text(config_text, encoding="utf-8")

@@ -17,6 +17,7 @@ This is what ``lightrft ckpt export`` and ``lightrft ckpt convert`` build on.
 from __future__ import annotations
 
 import io
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -80,15 +81,26 @@ def _looks_like_tag(path: Path) -> bool:
     return any((path / name).exists() for name in ours) or any(path.glob("*model_states.pt"))
 
 
-def read_contents(info: CheckpointInfo, *, optimizer: bool = True) -> CheckpointContents:
-    """The full state of the checkpoint ``info`` (see the module's docstring)."""
+def read_contents(
+    info: CheckpointInfo,
+    *,
+    optimizer: bool = True,
+    progress: Callable[[str, int, int], None] | None = None,
+) -> CheckpointContents:
+    """The full state of the checkpoint ``info`` (see the module's docstring);
+    ``progress("read", files done, files)`` as the backend's files are read."""
     backend = info.metadata.get("backend")
     if backend == "fsdp2":
-        return _read_fsdp2(info, optimizer)
+        if progress is not None:
+            progress("read", 0, 1)
+        contents = _read_fsdp2(info, optimizer)
+        if progress is not None:
+            progress("read", 1, 1)
+        return contents
     if backend == "deepspeed":
         from lightrft.strategy.checkpoint.deepspeed_files import read_deepspeed
 
-        return read_deepspeed(info, optimizer)
+        return read_deepspeed(info, optimizer, progress)
     raise CheckpointError(
         f"{info.path} was saved by the {backend!r} backend, which keeps no files this "
         "command can read; only fsdp2 and deepspeed checkpoints can be exported or converted"
