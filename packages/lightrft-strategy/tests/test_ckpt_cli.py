@@ -141,9 +141,8 @@ def test_truncated_corrupt_and_foreign_inputs_are_refused(
     foreign = tmp_path / "foreign"
     foreign.mkdir()
     (foreign / "pytorch_model.bin").write_bytes(b"x" * 10)
-    assert "holds no LightRFT checkpoint" in _bad_export(foreign, out) or "no checkpoint" in (
-        _bad_export(foreign, out)
-    )
+    error = _bad_export(foreign, out)
+    assert "CheckpointNotFoundError" in error and "no 'latest' file" in error
     plain_ds = tmp_path / "plain_deepspeed"
     (plain_ds / "global_step1").mkdir(parents=True)
     (plain_ds / "global_step1" / "mp_rank_00_model_states.pt").write_bytes(b"x")
@@ -249,3 +248,40 @@ def test_state_that_cannot_be_carried_is_named_and_refused(
     assert "dropped: optimizer" in done.stdout
     info = json.loads(run_cli("ckpt", "info", out, "--json").stdout)
     assert info["tags"][0]["has_optimizer"] is False
+
+
+def test_verification_compares_bits_not_summaries() -> None:
+    from lightrft.strategy.checkpoint.verify import Verification, VerificationError
+
+    nan, inf = float("nan"), float("inf")
+    check = Verification()
+    check.check("same", torch.tensor([nan, 1.0, -inf]), torch.tensor([nan, 1.0, -inf]))
+    assert check.problems == [] and check.max_abs_diff == 0
+    check.check("nan hides nothing", torch.tensor([nan, 1.0, 2.0]), torch.tensor([nan, 1.0, 7.0]))
+    check.check("inf hides nothing", torch.tensor([inf, 1.0]), torch.tensor([inf, 5.0]))
+    check.check("signed zero", torch.tensor([0.0]), torch.tensor([-0.0]))
+    check.check("dtype", torch.tensor([1.0]), torch.tensor([1.0], dtype=torch.float64))
+    check.check("gone", torch.tensor([1.0]), None)
+    assert [p.split(":")[0] for p in check.problems] == [
+        "nan hides nothing",
+        "inf hides nothing",
+        "signed zero",
+        "dtype",
+        "gone",
+    ]
+    assert check.max_abs_diff == 5.0 and check.compared == 6
+    with pytest.raises(VerificationError, match="nan hides nothing: differs by up to 5"):
+        check.raise_if_failed("the test")
+
+
+def test_an_output_inside_the_source_is_refused(
+    fsdp2_hf: tuple[Path, Path], tmp_path: Path
+) -> None:
+    source = tmp_path / "ckpt"
+    shutil.copytree(fsdp2_hf[0], source)
+    before = sorted(str(p.relative_to(source)) for p in source.rglob("*"))
+    (tag,) = [p for p in source.iterdir() if p.is_dir()]
+    for out in (source, tag, tag / "exported", tmp_path):  # --force would delete the source
+        result = run_cli("ckpt", "export", source, "--to", "hf", out, "--force", ok=False)
+        assert result.returncode == 1 and "write to a directory outside it" in result.stderr
+    assert sorted(str(p.relative_to(source)) for p in source.rglob("*")) == before

@@ -26,9 +26,13 @@ CONFIGS = {
 }
 
 
-@pytest.mark.parametrize("stage", [0, 2, 3])
-def test_zero_checkpoint_exports_like_save_model(stage: int, tmp_path: Path) -> None:
-    cfg = ds_workers.ds(stage, train_batch_size=2, micro_train_batch_size=1)
+@pytest.mark.parametrize(
+    ("stage", "precision"), [(0, "fp32"), (2, "fp32"), (3, "fp32"), (3, "bf16")]
+)
+def test_zero_checkpoint_exports_like_save_model(
+    stage: int, precision: str, tmp_path: Path
+) -> None:
+    cfg = ds_workers.ds(stage, train_batch_size=2, micro_train_batch_size=1, precision=precision)
     save_dir, saved_model = tmp_path / "ckpt", tmp_path / "hf"
     run_distributed(
         workers.hf_checkpoint_case, 2, cfg, str(save_dir), str(saved_model),
@@ -120,3 +124,20 @@ def test_conversion_to_another_world_size_loads_there(runs: dict[str, Any], tmp_
     )  # fmt: skip
     saved = read_contents(open_checkpoint(runs["zero2"]["save_dir"]), optimizer=False)
     workers.assert_states_close(loaded["state"], saved.weights, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_frozen_parameters_are_carried(stage: int, tmp_path: Path) -> None:
+    """A frozen block lives outside the optimizer (ZeRO keeps it apart from the flat
+    groups); it is carried to DeepSpeed and the run resumes there."""
+    run = {**RUN, "model": workers.frozen_regressor}
+    cfg = CONFIGS["fsdp2"]
+    full = run_distributed(workers.train, 2, cfg, 6, **run)
+    run_distributed(workers.train, 2, cfg, 3, save_dir=str(tmp_path / "a"), **run)
+    args = ["ckpt", "convert", tmp_path / "a", "--to", "deepspeed", tmp_path / "b"]
+    assert "max abs diff 0" in run_cli(*args, "--zero-stage", str(stage)).stdout
+    resumed = run_distributed(
+        workers.train, 2, CONFIGS[f"zero{stage}"], 3, load_dir=str(tmp_path / "b"), **run
+    )
+    torch.testing.assert_close(resumed[0]["losses"], full[0]["losses"][3:], rtol=1e-5, atol=1e-6)
+    workers.assert_states_close(resumed[0]["state"], full[0]["state"], rtol=1e-5, atol=1e-6)

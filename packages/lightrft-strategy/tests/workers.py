@@ -539,3 +539,10 @@ def hf_checkpoint_case(cfg: dict[str, Any], save_dir: str, hf_dir: str, steps: i
     strategy.save_ckpt(actor, save_dir)
     strategy.save_model(actor, None, hf_dir)
     strategy.close()
+
+
+def frozen_regressor() -> nn.Module:
+    """TinyRegressor with its first block frozen (outside the optimizer, as in LoRA)."""
+    model = TinyRegressor()
+    model.layers[0].requires_grad_(False)
+    return model

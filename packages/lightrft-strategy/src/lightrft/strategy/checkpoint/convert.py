@@ -29,6 +29,7 @@ import torch
 
 from lightrft.strategy.checkpoint.export import Progress
 from lightrft.strategy.checkpoint.layout import (
+    HF_CONFIG_FILE,
     CheckpointDir,
     CheckpointError,
     CheckpointInfo,
@@ -45,7 +46,13 @@ from lightrft.strategy.checkpoint.verify import Verification
 TARGETS = ("fsdp2", "deepspeed")
 #: the optimizer state every supported optimizer keeps per parameter
 ADAM_STATE = ("step", "exp_avg", "exp_avg_sq")
-ADAM_CLASSES = ("torch.optim.adamw.AdamW", "torch.optim.adam.Adam")
+ADAM_CLASSES = (
+    "torch.optim.adamw.AdamW",
+    "torch.optim.adam.Adam",
+    # DeepSpeed's own (the strategy's choice on CUDA): the same state per parameter
+    "deepspeed.ops.adam.fused_adam.FusedAdam",
+    "deepspeed.ops.adam.cpu_adam.DeepSpeedCPUAdam",
+)
 #: the pieces of a checkpoint that every backend writes alike (see .manager)
 SHARED_FILES = ("scheduler.pt", "client_state.pt", "dataloaders.json", "steps.json")
 DROPPABLE = ("optimizer", "rng")
@@ -130,7 +137,7 @@ def convert(
             "lightrft-strategy 0.3's `model` metadata); load it with the backend that saved "
             "it and save it again, then convert"
         )
-    check_output(out, force=force)
+    check_output(out, force=force, source=info.path)
     contents = read_contents(info, optimizer="optimizer" not in drop, progress=progress)
     problems = _uncarried(contents, world)
     refused = {name: why for name, why in problems.items() if name not in drop}
@@ -147,7 +154,7 @@ def convert(
     if "optimizer" in drop and "optimizer" not in dropped and source_meta.get("has_optimizer"):
         dropped.append("optimizer")
     tag = info.tag
-    with staged_output(out, force=force) as staging:
+    with staged_output(out, force=force, source=info.path) as staging:
         ckpt = CheckpointDir(staging, rank=0, barrier=lambda: None)
         tag_dir = ckpt.begin(tag)
         if target == "fsdp2":
@@ -157,6 +164,12 @@ def convert(
             from lightrft.strategy.checkpoint.deepspeed_files import write_deepspeed
 
             precision = precision or source_meta.get("backend_info", {}).get("precision") or "fp32"
+            if stage == 0 and precision != "fp32":
+                raise ValueError(
+                    f"--zero-stage 0 with precision {precision}: DeepSpeed keeps that state in "
+                    "its mixed-precision optimizer wrapper, which this command does not write; "
+                    "convert to ZeRO stage 1-3, or pass --precision fp32"
+                )
             write_deepspeed(
                 contents,
                 tag_dir,
@@ -176,7 +189,8 @@ def convert(
             backend=target,
             world_size=world,
             backend_info=backend_info,
-            has_optimizer=contents.optimizer is not None,
+            # an optimizer that never stepped has no state, and is carried as fresh
+            has_optimizer=bool(source_meta.get("has_optimizer")) and "optimizer" not in drop,
             converted_from={
                 "path": str(info.path),
                 "backend": source_meta.get("backend"),
@@ -204,7 +218,7 @@ def _target_stage(target: str, zero_stage: int | None) -> int:
 
 
 def _copy_shared(source: Path, tag_dir: Path, *, copy_rng: bool) -> None:
-    for name in (*SHARED_FILES, "hf_config.json"):
+    for name in (*SHARED_FILES, HF_CONFIG_FILE):
         if (source / name).is_file():
             shutil.copy2(source / name, tag_dir / name)
     if copy_rng and (source / "rng").is_dir():

@@ -180,14 +180,23 @@ class _Reader:
             self.weights[name] = torch.cat(pieces)[: math.prod(shape)].view(shape).clone()
 
     # -- stage 0 ---------------------------------------------------------------------------
-    def zero0(self, model: dict[str, Any], group_names: list[list[str]] | None) -> None:
+    def zero0(
+        self, model: dict[str, Any], group_names: list[list[str]] | None, optimizer: bool
+    ) -> None:
         module, torch_state = model["module"], model.get("optimizer")
         buffers = set(model.get("buffer_names") or [])
         for name, tensor in module.items():
             if name not in buffers:
                 self.weights[name] = tensor
-        if torch_state is None:
+        if torch_state is None or not optimizer:
             return
+        if "optimizer_state_dict" in torch_state or "fp32_groups" in torch_state:
+            raise CheckpointError(
+                f"{self.tag_dir} is a ZeRO stage 0 checkpoint in mixed precision: DeepSpeed's "
+                "bf16/fp16 optimizer wrapper holds the fp32 master weights and Adam state, a "
+                "format this command does not convert. Export its weights (export reads the "
+                "module's), or resume it with DeepSpeed at ZeRO stage 1-3 and save again"
+            )
         if group_names is None:
             if len(torch_state["param_groups"]) != 1:
                 raise CheckpointError(
@@ -216,6 +225,19 @@ def read_deepspeed(
 ) -> CheckpointContents:
     """Full weights (fp32 master weights), buffers and (with ``optimizer``) Adam state of
     the DeepSpeed checkpoint ``info``, by parameter name, in one process."""
+    try:
+        return _read_deepspeed(info, optimizer, progress)
+    except (KeyError, IndexError, TypeError, AttributeError) as exc:
+        raise CheckpointError(
+            f"{info.path} does not have the layout of the DeepSpeed checkpoints this command "
+            f"reads ({type(exc).__name__}: {exc}); it was written by another DeepSpeed "
+            "configuration or release, or a file was replaced"
+        ) from exc
+
+
+def _read_deepspeed(
+    info: CheckpointInfo, optimizer: bool, progress: Callable[[str, int, int], None] | None
+) -> CheckpointContents:
     tag_dir = info.path
     reader = _Reader(tag_dir)
     optim_files = _rank_files(tag_dir, "optim")
@@ -233,9 +255,15 @@ def read_deepspeed(
 
     if not optim_files:
         model = load(tag_dir / "mp_rank_00_model_states.pt")
-        reader.zero0(model, info.metadata.get("optimizer_groups"))
+        reader.zero0(model, info.metadata.get("optimizer_groups"), optimizer)
     else:
         shards = [load(path)["optimizer_state_dict"] for path in optim_files]
+        if "zero_stage" not in shards[0]:
+            raise CheckpointError(
+                f"{optim_files[0]} was written by DeepSpeed's BF16 optimizer (bf16 at ZeRO "
+                "stage 0-1 with fp32 gradient accumulation), a format this command does not "
+                "read; resume the run with DeepSpeed at ZeRO stage 2 or 3 and save again"
+            )
         stage = int(shards[0]["zero_stage"])
         if stage <= 2:
             model = load(tag_dir / "mp_rank_00_model_states.pt")
@@ -253,14 +281,18 @@ def read_deepspeed(
     for name in model.get("buffer_names") or []:
         if name in module:
             reader.weights[name] = module[name]
+    # parameters outside the optimizer (frozen ones) that the module's state holds whole
+    # (ZeRO-1 records no frozen_param_shapes)
+    for entry in (info.metadata.get("model") or {}).get("parameters", []):
+        name = str(entry[0])
+        if name not in reader.weights and name in module and module[name].numel():
+            reader.weights[name] = module[name]
     for alias, source in (model.get("shared_params") or {}).items():
         if source in reader.weights:
             reader.weights[alias] = reader.weights[source]
     contents = CheckpointContents(info, reader.weights)
     if optimizer and reader.state:
         contents.optimizer = OptimizerContents(reader.state, reader.groups)
-    elif optimizer and info.metadata.get("has_optimizer"):
-        contents.notes.append("the optimizer had not stepped when saved: it holds no state")
     return contents
 
 
@@ -300,7 +332,9 @@ def write_deepspeed(
         "stage": stage,
         "precision": precision,
     }
-    with tempfile.TemporaryDirectory(prefix="lightrft-convert-") as scratch:
+    # the state goes to the ranks through a file beside the output (not /tmp, which may
+    # be small), memory-mapped by each rank
+    with tempfile.TemporaryDirectory(prefix=".lightrft-convert-", dir=tag_dir.parent) as scratch:
         payload_file = Path(scratch) / "state.pt"
         torch.save(payload, payload_file)
         env = dict(os.environ)

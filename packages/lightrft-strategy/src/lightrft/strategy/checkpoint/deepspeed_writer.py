@@ -103,21 +103,51 @@ def set_full_state(
             return
         if state:  # one flat tensor per group (ZeRO-3: per sub-group) carries the step
             for g, flat in _base_flats(engine, stage):
-                first = _group_member(engine, stage, g, names)
-                _new_state(base.state[flat], flat, state[first]["step"])
+                step = _group_step(engine, stage, g, names, state)
+                if step is not None:
+                    _new_state(base.state[flat], flat, step)
+        for name, param in named.items():
+            if not param.requires_grad:  # outside the optimizer: set whole (or its piece)
+                _set_frozen(param, weights[name])
         if stage == 3:
             _set_zero3(engine, weights, state, names)
         else:
             _set_zero12(engine, weights, state, names)
 
 
-def _group_member(engine: Any, stage: int, group: int, names: dict[int, str]) -> str:
+def _group_step(
+    engine: Any,
+    stage: int,
+    group: int,
+    names: dict[int, str],
+    state: dict[str, dict[str, torch.Tensor]],
+) -> torch.Tensor | None:
+    """The step count of a group: its members' (a member that never had a gradient has
+    no state); None when no member has state."""
     zero = engine.optimizer
     if stage == 3:
-        for s, sub in enumerate(zero.fp16_groups):
-            if zero.sub_group_to_group_id[s] == group and sub:
-                return names[id(sub[0])]
-    return names[id(zero.round_robin_bit16_groups[group][0])]
+        members = [
+            p for s, sub in enumerate(zero.fp16_groups) if zero.sub_group_to_group_id[s] == group
+            for p in sub
+        ]  # fmt: skip
+    else:
+        members = list(zero.round_robin_bit16_groups[group])
+    steps = [state[names[id(p)]]["step"] for p in members if names[id(p)] in state]
+    return max(steps, key=float) if steps else None
+
+
+def _set_frozen(param: nn.Parameter, full: torch.Tensor) -> None:
+    """A parameter no optimizer steps: its data, or at ZeRO-3 this rank's piece."""
+    ds_tensor = getattr(param, "ds_tensor", None)
+    if ds_tensor is None:
+        param.data.copy_(full.view_as(param).to(param.dtype))
+        return
+    import torch.distributed as dist
+
+    piece = ds_tensor.numel()
+    flat = full.reshape(-1).to(ds_tensor.dtype)
+    flat = nn.functional.pad(flat, (0, piece * dist.get_world_size() - flat.numel()))
+    ds_tensor.data.copy_(flat.narrow(0, dist.get_rank() * piece, piece).view_as(ds_tensor))
 
 
 def _set_zero12(
@@ -154,7 +184,7 @@ def _set_zero3(
     for s, sub in enumerate(zero.fp16_groups):
         flat = zero.fp32_partitioned_groups_flat[s]
         targets = {"fp32": flat}
-        if state:
+        if "exp_avg" in base.state.get(flat, {}):
             targets.update({key: base.state[flat][key] for key in MOMENTS})
         world = zero.partition_count
         world = world if isinstance(world, int) else zero.sub_group_partition_counts[s]
@@ -167,6 +197,8 @@ def _set_zero3(
             _, dest, piece = zero.grad_position[zero.get_param_id(param)]
             rank = zero._get_param_partition_rank(param)
             for key, target in targets.items():
+                if key != "fp32" and name not in state:
+                    continue  # never had a gradient: its moments stay zero, as AdamW's
                 source = weights[name] if key == "fp32" else state[name][key]
                 full = source.reshape(-1).to(target.dtype)
                 full = nn.functional.pad(full, (0, piece * world - full.numel()))
@@ -192,7 +224,7 @@ def main(argv: list[str]) -> int:
     from lightrft.strategy import get_strategy
 
     payload_file, tag_dir = Path(argv[0]), Path(argv[1])
-    payload = torch.load(payload_file, map_location="cpu", weights_only=True)
+    payload = torch.load(payload_file, map_location="cpu", weights_only=True, mmap=True)
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     strategy = get_strategy(
         {

@@ -6,11 +6,13 @@ from pathlib import Path
 from typing import Any
 
 from lightrft.strategy.checkpoint.layout import (
+    HF_CONFIG_FILE,
     LATEST_FILE,
     METADATA_FILE,
     CheckpointDir,
     CheckpointError,
 )
+from lightrft.strategy.checkpoint.offline import looks_like_tag
 
 
 def _tag_entry(root: Path, tag: str) -> dict[str, Any]:
@@ -32,7 +34,7 @@ def _tag_entry(root: Path, tag: str) -> dict[str, Any]:
         "has_scheduler": bool(meta.get("has_scheduler")),
         "created_ns": meta.get("created_ns"),
         "versions": meta.get("versions", {}),
-        "hf_config": (info.path / "hf_config.json").is_file(),
+        "hf_config": (info.path / HF_CONFIG_FILE).is_file(),
     }
     backend_info = meta.get("backend_info") or {}
     if meta.get("backend") == "deepspeed":
@@ -68,11 +70,18 @@ def describe(path: str | Path) -> dict[str, Any]:
     path = Path(path)
     if not path.is_dir():
         raise CheckpointError(f"{path} is not a directory; give a save_dir or a tag directory")
-    if (path / METADATA_FILE).is_file():
-        root, names = path.parent, [path.name]
+    if (path / METADATA_FILE).is_file() or (
+        looks_like_tag(path) and not (path / LATEST_FILE).is_file()
+    ):
+        root, names = path.parent, [path.name]  # one tag directory, complete or not
     else:
         root = path
-        names = sorted(p.name for p in path.iterdir() if p.is_dir() and not p.name.startswith("."))
+        names = sorted(
+            p.name
+            for p in path.iterdir()
+            if p.is_dir() and not p.name.startswith(".")
+            and ((p / METADATA_FILE).is_file() or looks_like_tag(p))
+        )  # fmt: skip
     tags = [_tag_entry(root, name) for name in names]
     latest_file = root / LATEST_FILE
     latest = latest_file.read_text(encoding="utf-8").strip() if latest_file.is_file() else None

@@ -2,9 +2,9 @@
 
     report = export_hf(open_checkpoint("ckpts"), Path("hf_out"))
 
-Reads the checkpoint's full weights (:mod:`.offline`): the names ``save_model`` writes
-(a tied parameter under its first name only; Hugging Face re-ties it on load), each
-cast to the dtype the model held it in (or ``dtype``), then
+Reads the checkpoint's full weights (:mod:`.offline`): what ``save_model`` writes (a
+tied parameter under its first name only; Hugging Face re-ties it on load; DeepSpeed's
+fp32 master weights), or cast to ``dtype``, then
 writes safetensors and ``config.json`` into a staging directory, reads every tensor back
 and compares it with its source, and only then renames the staging directory to the
 output.
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from lightrft.strategy.checkpoint.layout import CheckpointError, CheckpointInfo
+from lightrft.strategy.checkpoint.layout import HF_CONFIG_FILE, CheckpointError, CheckpointInfo
 from lightrft.strategy.checkpoint.offline import read_contents
 from lightrft.strategy.checkpoint.staging import check_output, staged_output
 from lightrft.strategy.checkpoint.verify import Verification
@@ -27,7 +27,6 @@ from lightrft.strategy.checkpoint.verify import Verification
 Progress = Callable[[str, int, int], None]
 """``progress(stage, done, total)``: called as tensors are written and verified."""
 
-HF_CONFIG_FILE = "hf_config.json"
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -65,36 +64,20 @@ def read_hf_config(info: CheckpointInfo, hf_config: str | Path | None) -> str:
     return recorded.read_text(encoding="utf-8")
 
 
-def model_tensor_names(info: CheckpointInfo) -> dict[str, str] | None:
-    """Parameter and buffer names the model declared, with their dtypes; None when the
-    checkpoint predates the record."""
-    model = info.metadata.get("model")
-    if not isinstance(model, dict):
-        return None
-    names = {str(entry[0]): str(entry[2]) for entry in model.get("parameters", [])}
-    names.update({str(entry[0]): str(entry[2]) for entry in model.get("buffers", [])})
-    return names
-
-
 def hf_state(
     info: CheckpointInfo, weights: dict[str, torch.Tensor], dtype: str | None
 ) -> dict[str, torch.Tensor]:
-    """The tensors a Hugging Face directory holds, in the model's dtype (or ``dtype``),
+    """The tensors a Hugging Face directory holds, as ``save_model`` writes them: the
+    tied parameters' second names left out, each tensor as the checkpoint holds it
+    (DeepSpeed's fp32 master weights; FSDP2's parameters) or cast to ``dtype``;
     contiguous and not sharing memory."""
-    declared = model_tensor_names(info) or {}
     tied = (info.metadata.get("model") or {}).get("tied") or {}
-    out: dict[str, torch.Tensor] = {}
-    for name, tensor in weights.items():
-        if name in tied:
-            continue  # the second name of a tied parameter, as save_model leaves it out
-        if dtype is not None:
-            target = DTYPES[dtype]
-        elif name in declared:
-            target = getattr(torch, declared[name], tensor.dtype)
-        else:
-            target = tensor.dtype
-        out[name] = tensor.detach().to("cpu", target).contiguous().clone()
-    return out
+    target = DTYPES[dtype] if dtype is not None else None
+    return {
+        name: tensor.detach().to("cpu", target or tensor.dtype).contiguous().clone()
+        for name, tensor in weights.items()
+        if name not in tied
+    }
 
 
 def export_hf(
@@ -114,11 +97,11 @@ def export_hf(
 
     if dtype is not None and dtype not in DTYPES:
         raise ValueError(f"dtype={dtype!r} is not one of {sorted(DTYPES)}")
-    check_output(out, force=force)  # before reading anything
+    check_output(out, force=force, source=info.path)  # before reading anything
     config_text = read_hf_config(info, hf_config)
     weights = read_contents(info, optimizer=False, progress=progress).weights
     state = hf_state(info, weights, dtype)
-    with staged_output(out, force=force) as staging:
+    with staged_output(out, force=force, source=info.path) as staging:
         files = write_weight_files(state, staging, max_shard_bytes)
         (staging / "config.json").write_text(config_text, encoding="utf-8")
         verification = Verification()

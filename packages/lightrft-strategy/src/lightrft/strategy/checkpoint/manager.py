@@ -38,7 +38,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from lightrft.strategy.checkpoint.layout import CheckpointDir, CheckpointError, check_tag
+from lightrft.strategy.checkpoint.layout import (
+    HF_CONFIG_FILE,
+    CheckpointDir,
+    CheckpointError,
+    check_tag,
+)
 from lightrft.strategy.checkpoint.rng import capture_rng_state, restore_rng_state
 from lightrft.strategy.checkpoint.safe_io import check_plain, load_plain, save_plain
 from lightrft.strategy.hf_export import tied_aliases
@@ -179,7 +184,7 @@ def _write_hf_config(model: nn.Module, staging: Path) -> None:
     config = getattr(model, "config", None)
     to_json = getattr(config, "to_json_string", None)
     if callable(to_json):
-        (staging / "hf_config.json").write_text(str(to_json(use_diff=False)))
+        (staging / HF_CONFIG_FILE).write_text(str(to_json(use_diff=False)))
 
 
 def _write_rank0_pieces(

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import io
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -43,16 +43,12 @@ class OptimizerContents:
     state: dict[str, dict[str, torch.Tensor]]
     param_groups: list[dict[str, Any]]
 
-    def group_of(self) -> dict[str, int]:
-        return {name: i for i, group in enumerate(self.param_groups) for name in group["params"]}
-
 
 @dataclass
 class CheckpointContents:
     info: CheckpointInfo
     weights: dict[str, torch.Tensor]
-    optimizer: OptimizerContents | None = None
-    notes: list[str] = field(default_factory=list)
+    optimizer: OptimizerContents | None = None  # None: not read, or it never stepped
 
 
 def open_checkpoint(path: str | Path, tag: str | None = None) -> CheckpointInfo:
@@ -66,7 +62,7 @@ def open_checkpoint(path: str | Path, tag: str | None = None) -> CheckpointInfo:
         return CheckpointDir(path.parent, rank=0, barrier=lambda: None).resolve(
             path.name, backend=None
         )
-    if tag is None and not (path / LATEST_FILE).is_file() and _looks_like_tag(path):
+    if tag is None and not (path / LATEST_FILE).is_file() and looks_like_tag(path):
         # a tag directory whose save never finished: say so, rather than "no latest"
         return CheckpointDir(path.parent, rank=0, barrier=lambda: None).resolve(
             path.name, backend=None
@@ -74,7 +70,8 @@ def open_checkpoint(path: str | Path, tag: str | None = None) -> CheckpointInfo:
     return CheckpointDir(path, rank=0, barrier=lambda: None).resolve(tag, backend=None)
 
 
-def _looks_like_tag(path: Path) -> bool:
+def looks_like_tag(path: Path) -> bool:
+    """Whether ``path`` holds the files of a checkpoint tag (ours or DeepSpeed's)."""
     if not path.is_dir():
         return False
     ours = ("steps.json", "rng", "client_state.pt", DCP_DIR)
@@ -96,15 +93,36 @@ def read_contents(
         contents = _read_fsdp2(info, optimizer)
         if progress is not None:
             progress("read", 1, 1)
-        return contents
+        return _complete(contents)
     if backend == "deepspeed":
         from lightrft.strategy.checkpoint.deepspeed_files import read_deepspeed
 
-        return read_deepspeed(info, optimizer, progress)
+        return _complete(read_deepspeed(info, optimizer, progress))
     raise CheckpointError(
         f"{info.path} was saved by the {backend!r} backend, which keeps no files this "
         "command can read; only fsdp2 and deepspeed checkpoints can be exported or converted"
     )
+
+
+def _complete(contents: CheckpointContents) -> CheckpointContents:
+    """Refuse contents lacking a parameter or buffer the model recorded (rather than
+    export or convert a model with a weight left out)."""
+    model = contents.info.metadata.get("model")
+    if not isinstance(model, dict):
+        return contents
+    tied = model.get("tied") or {}
+    expected = [str(e[0]) for e in [*model.get("parameters", []), *model.get("buffers", [])]]
+    missing = [name for name in expected if name not in contents.weights and name not in tied]
+    if missing:
+        shown = ", ".join(missing[:8]) + (
+            f" and {len(missing) - 8} more" if len(missing) > 8 else ""
+        )
+        raise CheckpointError(
+            f"{contents.info.path}: the model recorded {len(missing)} tensor(s) its files do "
+            f"not hold ({shown}); nothing was written. The files are incomplete, or hold "
+            "state in a form this command does not read"
+        )
+    return contents
 
 
 # -- FSDP2: a torch.distributed.checkpoint directory -------------------------------------
@@ -172,6 +190,4 @@ def _read_fsdp2(info: CheckpointInfo, optimizer: bool) -> CheckpointContents:
             state={name: dict(values) for name, values in saved.get("state", {}).items()},
             param_groups=[dict(group) for group in saved.get("param_groups", [])],
         )
-    elif optimizer and info.metadata.get("has_optimizer"):
-        contents.notes.append("the optimizer had not stepped when saved: it holds no state")
     return contents

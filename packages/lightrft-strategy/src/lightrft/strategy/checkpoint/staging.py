@@ -18,8 +18,16 @@ class OutputExistsError(CheckpointError, FileExistsError):
     """The output directory exists and is not empty, and ``force`` was not given."""
 
 
-def check_output(out: Path, *, force: bool) -> None:
-    """Refuse a non-empty ``out`` without ``force`` (before any work is done)."""
+def check_output(out: Path, *, force: bool, source: Path | None = None) -> None:
+    """Refuse a non-empty ``out`` without ``force``, and an ``out`` that is ``source`` or
+    holds it (replacing it would delete the source), before any work is done."""
+    if source is not None:
+        resolved, src = out.resolve(), source.resolve()
+        if resolved == src or resolved in src.parents or src in resolved.parents:
+            raise OutputExistsError(
+                f"OUT {out} is, holds or lies inside the source checkpoint {source}; write to "
+                "a directory outside it"
+            )
     if out.exists() and not out.is_dir():
         raise OutputExistsError(f"{out} exists and is a file; choose a directory path for OUT")
     if out.is_dir() and any(out.iterdir()) and not force:
@@ -48,12 +56,12 @@ def _remove_stale_staging(out: Path) -> None:
 
 
 @contextmanager
-def staged_output(out: Path, *, force: bool) -> Iterator[Path]:
+def staged_output(out: Path, *, force: bool, source: Path | None = None) -> Iterator[Path]:
     """Yield a fresh staging directory next to ``out``; on success it becomes ``out``
     (an existing ``out`` is set aside first and deleted last); on any error the
     staging directory is removed and ``out`` is untouched."""
     out = out.absolute()
-    check_output(out, force=force)
+    check_output(out, force=force, source=source)
     out.parent.mkdir(parents=True, exist_ok=True)
     _remove_stale_staging(out)
     staging = out.parent / f".{out.name}.partial-{os.getpid()}"

@@ -10,6 +10,23 @@ import torch
 from lightrft.strategy.checkpoint.layout import CheckpointError
 
 
+def _bits(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor's bytes: equal bits, not equal values (NaN == NaN, -0.0 != 0.0)."""
+    return tensor.detach().contiguous().view(-1).view(torch.uint8)
+
+
+def _max_difference(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """The largest absolute difference; inf where one side is NaN or an infinity the
+    other does not match."""
+    a, e = actual.double(), expected.double()
+    diff = (a - e).abs()
+    both_nan = a.isnan() & e.isnan()
+    same_inf = a.isinf() & (a == e)
+    diff = torch.where(both_nan | same_inf, torch.zeros_like(diff), diff)
+    diff = torch.where(diff.isnan(), torch.full_like(diff, float("inf")), diff)
+    return float(diff.max().item())
+
+
 class VerificationError(CheckpointError):
     """What was written does not read back as its source."""
 
@@ -34,12 +51,12 @@ class Verification:
             )
             return
         if expected.numel():
-            diff = (actual.double() - expected.double()).abs().max().item()
-            if diff != diff:  # NaN in one and not the other (or both: compare masks)
-                same = torch.equal(actual.isnan(), expected.isnan())
-                diff = 0.0 if same else float("inf")
+            same = torch.equal(_bits(actual), _bits(expected))
+            diff = 0.0 if same else _max_difference(actual, expected)
             self.max_abs_diff = max(self.max_abs_diff, diff)
-            if diff > 0:
+            if not same and diff == 0:
+                self.problems.append(f"{name}: equal values, different bits (-0.0 for 0.0?)")
+            elif not same:
                 self.problems.append(f"{name}: differs by up to {diff:.3g}")
 
     def extra(self, names: Iterable[str]) -> None:
@@ -52,7 +69,9 @@ class Verification:
             more = f" (and {len(self.problems) - 10} more)" if len(self.problems) > 10 else ""
             raise VerificationError(
                 f"{what} did not read back as its source: {shown}{more}. The output was not "
-                "kept; check the disk (space, errors) and run the command again"
+                "kept. A missing or extra tensor means the source holds state this command "
+                "cannot carry (please report it); a difference, that the disk did not keep "
+                "what was written (check its space and errors) and run the command again"
             )
 
     def summary(self) -> str:

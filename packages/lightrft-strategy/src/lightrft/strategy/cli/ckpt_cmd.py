@@ -5,6 +5,7 @@ CPU (a conversion to DeepSpeed launches DeepSpeed's writers on CPU ranks)."""
 from __future__ import annotations
 
 import json
+import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -24,7 +25,7 @@ def _errors() -> Iterator[None]:
 
     try:
         yield
-    except (CheckpointError, ValueError, FileNotFoundError) as exc:
+    except (CheckpointError, ValueError, OSError) as exc:
         raise _CheckpointCommandError(f"{type(exc).__name__}: {exc}") from exc
 
 
@@ -40,7 +41,7 @@ def _progress(label: str, enabled: bool) -> Iterator[Callable[[str, int, int], N
         bar = bars.get(stage)
         if bar is None:
             bar = bars[stage] = click.progressbar(
-                length=total, label=f"{label}: {stage}", file=None
+                length=total, label=f"{label}: {stage}", file=sys.stderr
             )
             bar.__enter__()
         bar.update(done - bar.pos)
@@ -128,7 +129,7 @@ def info(directory: Path, as_json: bool) -> None:
 @click.option(
     "--dtype",
     type=click.Choice(["fp32", "bf16", "fp16"]),
-    help="Cast the weights (default: the dtype the model held them in).",
+    help="Cast the weights (default: as the checkpoint holds them, as save_model writes them).",
 )
 @click.option("--force", is_flag=True, help="Replace a non-empty OUT.")
 @click.option("--progress/--no-progress", default=True, help="Show progress bars.")

@@ -240,6 +240,11 @@ class FSDP2Strategy(StrategyBase):
                     target, source = ema.data, param.data
                 target.mul_(beta).add_(source.to(target.device, target.dtype), alpha=1 - beta)
 
+    def checkpoint_info(self) -> dict[str, Any]:
+        # not needed to load (DCP reshards), but a conversion to DeepSpeed picks its
+        # precision from it (DeepSpeed's files differ between fp32 and bf16)
+        return {"precision": self.config.resolved_precision}
+
     def save_backend_state(self, model: nn.Module, optimizer: Any, directory: Path) -> None:
         state: dict[str, Any] = {"model": get_model_state_dict(model)}
         # An optimizer that never stepped has no state; asking torch for its state dict
