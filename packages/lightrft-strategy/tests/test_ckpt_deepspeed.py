@@ -141,3 +141,30 @@ def test_frozen_parameters_are_carried(stage: int, tmp_path: Path) -> None:
     )
     torch.testing.assert_close(resumed[0]["losses"], full[0]["losses"][3:], rtol=1e-5, atol=1e-6)
     workers.assert_states_close(resumed[0]["state"], full[0]["state"], rtol=1e-5, atol=1e-6)
+
+
+def test_adam_state_is_adapted_to_the_optimizer_that_loads_it() -> None:
+    """torch's Adam keeps ``step`` as a float tensor; DeepSpeed's FusedAdam and CPU Adam
+    as an int their kernels take, and read group keys torch's groups lack."""
+    from lightrft.strategy.deepspeed.strategy import adapt_adam_state
+
+    class KernelAdam(torch.optim.Optimizer):  # FusedAdam's state contract, without CUDA
+        def __init__(self, params: Any) -> None:
+            super().__init__(params, {"lr": 1e-3, "bias_correction": True, "adam_w_mode": True})
+
+    param = torch.nn.Parameter(torch.zeros(3))
+    kernel = KernelAdam([param])
+    kernel.load_state_dict(
+        {"state": {0: {"step": torch.tensor(3.0), "exp_avg": torch.ones(3)}},
+         "param_groups": [{"lr": 5e-3, "params": [0]}]}
+    )  # fmt: skip
+    adapt_adam_state(kernel)
+    assert kernel.state[param]["step"] == 3 and type(kernel.state[param]["step"]) is int
+    group = kernel.param_groups[0]
+    assert (group["lr"], group["bias_correction"], group["adam_w_mode"]) == (5e-3, True, True)
+
+    adamw = torch.optim.AdamW([param])
+    adamw.state[param] = {"step": 3, "exp_avg": torch.ones(3), "exp_avg_sq": torch.ones(3)}
+    adapt_adam_state(adamw)
+    step = adamw.state[param]["step"]
+    assert torch.is_tensor(step) and step.dtype == torch.float32 and float(step) == 3.0

@@ -84,3 +84,28 @@ def test_offload_model_frees_accelerator_memory_and_changes_nothing(
     workers.assert_states_close(moved[0]["state"], plain[0]["state"], rtol=0, atol=0)
     for before, after in moved[0]["memory"]:
         assert after < before, (before, after)
+
+
+@pytest.mark.deepspeed
+def test_fsdp2_checkpoint_converted_to_a_cuda_deepspeed_run_resumes(tmp_path: Path) -> None:
+    """On CUDA the DeepSpeed strategy steps with FusedAdam (int steps, its own group
+    keys); a conversion writes torch AdamW's state, which the load adapts
+    (``adapt_adam_state``). N FSDP2 steps, convert, M ZeRO-2 steps == N+M FSDP2 steps."""
+    import subprocess
+    import sys
+
+    world = min(2, _gpus())
+    cfg = workers.config(device="cuda", train_batch_size=4 * world, micro_train_batch_size=2)
+    ds_cfg = {**cfg, "backend": "deepspeed", "zero_stage": 2}
+    run = {"max_steps": 6, "init_process_group": False}
+    full = run_distributed(workers.train, world, cfg, 6, **run)
+    run_distributed(workers.train, world, cfg, 3, save_dir=str(tmp_path / "a"), **run)
+    lightrft = str(Path(sys.executable).with_name("lightrft"))
+    subprocess.run(
+        [lightrft, "ckpt", "convert", str(tmp_path / "a"), "--to", "deepspeed",
+         str(tmp_path / "b"), "--zero-stage", "2", "--no-progress"],
+        check=True, timeout=600,
+    )  # fmt: skip
+    resumed = run_distributed(workers.train, world, ds_cfg, 3, load_dir=str(tmp_path / "b"), **run)
+    torch.testing.assert_close(resumed[0]["losses"], full[0]["losses"][3:], rtol=1e-4, atol=1e-5)
+    workers.assert_states_close(resumed[0]["state"], full[0]["state"], rtol=1e-4, atol=1e-5)

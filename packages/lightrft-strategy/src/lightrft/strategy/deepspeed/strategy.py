@@ -39,6 +39,27 @@ def _first_line(exc: BaseException) -> str:
     return " ".join(text.split())[:500]
 
 
+def adapt_adam_state(optimizer: torch.optim.Optimizer) -> None:
+    """Make loaded Adam state fit the optimizer that holds it now. A checkpoint written
+    by another Adam (torch's AdamW on CPU; DeepSpeed's FusedAdam or CPU Adam on CUDA;
+    or ``lightrft ckpt convert``) carries that optimizer's group keys and step type:
+    groups gain the keys of this optimizer's defaults they lack, and ``step`` becomes a
+    float32 tensor for torch's Adam/AdamW (an int there would never advance), an int for
+    DeepSpeed's (their kernels take the step as an int)."""
+    for group in optimizer.param_groups:
+        for key, value in optimizer.defaults.items():
+            group.setdefault(key, value)
+    torch_adam = isinstance(optimizer, torch.optim.Adam | torch.optim.AdamW)
+    for state in optimizer.state.values():
+        step = state.get("step")
+        if step is None:
+            continue
+        if torch_adam and not torch.is_tensor(step):
+            state["step"] = torch.tensor(float(step), dtype=torch.float32)
+        elif not torch_adam and torch.is_tensor(step):
+            state["step"] = int(step.item())
+
+
 def _is_partitioned(param: torch.Tensor) -> bool:
     return hasattr(param, "ds_id")
 
@@ -592,6 +613,10 @@ class DeepspeedStrategy(StrategyBase):
         # this run's configuration (max_norm) decides, as it does on every other backend.
         if hasattr(engine.optimizer, "clip_grad"):
             engine.optimizer.clip_grad = engine.gradient_clipping()
+        if optimizer is not None:
+            base = getattr(engine.optimizer, "optimizer", engine.optimizer)
+            if isinstance(base, torch.optim.Optimizer):
+                adapt_adam_state(base)
 
     # -- teardown ------------------------------------------------------------------------
     def close(self) -> None:
