@@ -306,8 +306,8 @@ def _cannot_run(name: str, has_cuda: bool) -> str | None:
     if name == "sglang" and not has_cuda:
         return "SGLang serves on CUDA only, and torch finds no CUDA device here"
     if name == "vllm":
-        from vllm.platforms import current_platform
-
+        # a probe of an optional library (as _load_engine's), not a dependency
+        current_platform = importlib.import_module("vllm.platforms").current_platform
         if not getattr(current_platform, "device_type", "cpu"):
             return f"vLLM found no platform it supports here ({type(current_platform).__name__})"
     return None
