@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
-MOMENTS = ("exp_avg", "exp_avg_sq")
+from lightrft.strategy.checkpoint.deepspeed_files import MOMENTS
 
 
 def skeleton(layout: dict[str, Any]) -> nn.Module:
