@@ -100,10 +100,9 @@ def test_fsdp2_checkpoint_converted_to_a_cuda_deepspeed_run_resumes(tmp_path: Pa
     run = {"max_steps": 6, "init_process_group": False}
     full = run_distributed(workers.train, world, cfg, 6, **run)
     run_distributed(workers.train, world, cfg, 3, save_dir=str(tmp_path / "a"), **run)
-    lightrft = str(Path(sys.executable).with_name("lightrft"))
     subprocess.run(
-        [lightrft, "ckpt", "convert", str(tmp_path / "a"), "--to", "deepspeed",
-         str(tmp_path / "b"), "--zero-stage", "2", "--no-progress"],
+        [sys.executable, "-m", "lightrft.strategy.cli", "ckpt", "convert", str(tmp_path / "a"),
+         "--to", "deepspeed", str(tmp_path / "b"), "--zero-stage", "2", "--no-progress"],
         check=True, timeout=600,
     )  # fmt: skip
     resumed = run_distributed(workers.train, world, ds_cfg, 3, load_dir=str(tmp_path / "b"), **run)
