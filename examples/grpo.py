@@ -128,7 +128,9 @@ def train(config: StrategyConfig, opts: argparse.Namespace) -> dict[str, Any]:
             seed=config.seed * 100_003 + step,
         )  # fmt: skip
         t0 = time.perf_counter()
-        outputs = strategy.gather_and_generate(prompts.tolist(), sampling)
+        # with enable_engine_sleep, the engine sleeps while the trainer trains (its
+        # memory freed); update_engine_weights wakes it
+        outputs = strategy.gather_and_generate(prompts.tolist(), sampling, sleep_engine=True)
         generate_s = time.perf_counter() - t0
         completions = torch.tensor([o.output_token_ids for o in outputs])
         sequences = torch.cat([prompts.repeat_interleave(group, 0), completions], dim=1)

@@ -57,11 +57,16 @@ def test_grpo_demo_learns_and_resumes_exactly(backend: list[str], tmp_path: Path
 
 @pytest.mark.distributed
 @pytest.mark.timeout(600)
-def test_grpo_demo_runs_as_a_two_node_job(tmp_path: Path) -> None:
+def test_grpo_demo_runs_as_a_two_node_job_with_a_sleeping_engine(tmp_path: Path) -> None:
+    """Also the engine's sleep (level 1, upstream's): it sleeps after each generation,
+    update_engine_weights wakes it, and the check that the engine generates from the
+    trainer's weights runs at every sync."""
     nodes = run_torchrun(
         GRPO, "--steps", "8", "--min-gain", "0.1", "--out", str(tmp_path),
+        "--enable_engine_sleep", "--verify_engine_sync",
         nnodes=2, nproc_per_node=1, timeout=500,
     )  # fmt: skip
     assert len(nodes) == 2
     rows = _metrics(tmp_path)
     assert len(rows) == 8 and _mean(rows[-3:]) > _mean(rows[:3])
+    assert all(r["weight_version"] == r["step"] + 1 for r in rows)

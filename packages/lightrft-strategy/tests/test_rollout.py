@@ -103,21 +103,27 @@ def test_sleep_levels_follow_config_and_stale_weights_are_refused() -> None:
     model = workers.TinyRegressor()
     engine = strategy.setup_inference_engine(FakeEngine())
     assert strategy.maybe_sleep_inference_engine() is True
-    with pytest.raises(EngineError, match="asleep"):
-        strategy.gather_and_generate([[1]])
-    strategy.wakeup_inference_engine()
+    # generating wakes the engine, but a level-2 sleep discarded the weights
     with pytest.raises(EngineError, match="stale weights"):
         strategy.gather_and_generate([[1]])
-    strategy.update_engine_weights(model)
-    assert len(strategy.gather_and_generate([[1]])) == 1
-    # level 1 keeps the weights: wake and generate
-    strategy.config.engine_sleep_level = 1
+    assert not engine.state.asleep
     strategy.maybe_sleep_inference_engine()
-    with pytest.raises(EngineError, match=r"update_weights while the weights are asleep"):
-        strategy.update_engine_weights(model)
-    strategy.wakeup_inference_engine()
-    assert engine.state.weights_stale is False
+    woken: list[Any] = []
+    wake_up = engine.wake_up
+    engine.wake_up = lambda tags=None: (woken.append(tags), wake_up(tags))  # type: ignore[method-assign]
+    # the sync wakes the weights, loads them, then wakes the KV cache (upstream leaves
+    # the engine awake after update_engine_weights)
+    strategy.update_engine_weights(model)
+    assert woken == [["weights"], ["kv_cache"]] and not engine.state.asleep
+    assert engine.state.weights_stale is False and len(engine.syncs) == 1
     assert len(strategy.gather_and_generate([[1]])) == 1
+    assert woken == [["weights"], ["kv_cache"]]  # awake: nothing more to wake
+    # our form sleeps after generating only when asked; level 1 keeps the weights
+    strategy.config.engine_sleep_level = 1
+    assert len(strategy.gather_and_generate([[1]], sleep_engine=True)) == 1
+    assert engine.state.asleep and engine.state.level == 1
+    assert len(strategy.gather_and_generate([[2]])) == 1  # woken (both tags at once)
+    assert woken[-1] is None and not engine.state.asleep and len(engine.syncs) == 1
 
 
 def test_sleep_calls_do_nothing_when_sleep_is_disabled() -> None:

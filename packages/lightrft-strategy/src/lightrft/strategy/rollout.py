@@ -154,7 +154,8 @@ class InferenceEngineCalls:
         """Send ``model``'s full weights to the engine, gathered one tensor at a time and
         streamed in buckets of at most ``bucket_bytes`` (a tensor larger than that goes
         alone). ``name_map`` renames a training name to the engine's (None drops it);
-        ``dtype`` casts floating-point tensors. Collective.
+        ``dtype`` casts floating-point tensors. Collective. A sleeping engine is woken
+        (weights, then the sync, then its KV cache) and left awake, as upstream's.
 
         When the engine lists its parameters (``weight_shapes()``), names and shapes are
         checked before the first bucket: a missing, extra or wrongly shaped name raises
@@ -169,6 +170,9 @@ class InferenceEngineCalls:
         engine = self._require_engine("update_engine_weights")
         if bucket_bytes < 1:
             raise ValueError(f"bucket_bytes={bucket_bytes} must be >= 1")
+        # a sleeping engine is woken as upstream's update_engine_weights does, in the order
+        # a level-2 sleep needs: the weights, the sync, then the KV cache
+        self.wakeup_inference_engine(["weights"])
         shapes = getattr(engine, "weight_shapes", None)
         expected = shapes() if callable(shapes) else None  # None: the engine cannot tell
         if expected is not None:
@@ -211,6 +215,7 @@ class InferenceEngineCalls:
         t0 = time.perf_counter()
         engine.finish_weight_update()
         load_s += time.perf_counter() - t0
+        self.wakeup_inference_engine(["kv_cache"])
         stats: dict[str, Any] = {
             "tensors": tensors,
             "buckets": buckets,
@@ -311,19 +316,24 @@ class InferenceEngineCalls:
         ``all_prompts`` with ``all_images``/``images_num``/``all_videos``/``videos_num``
         for multimodal engines; each prompt gets all of its items, in order; another
         registered modality comes with its own keywords, e.g. ``all_audios`` and
-        ``audios_num``, see :mod:`lightrft.engines.multimodal`): it wakes the engine
-        first and, unless
-        ``sleep_engine=False``, puts it back to sleep after (when sleep is enabled).
+        ``audios_num``, see :mod:`lightrft.engines.multimodal`).
+
+        Both forms wake a sleeping engine first. After generating, upstream's form puts
+        it back to sleep unless ``sleep_engine=False``; ours only with
+        ``sleep_engine=True`` (either way only when ``enable_engine_sleep`` is set).
         ``sampling`` may be :class:`lightrft.engines.SamplingParams` or the engine's own
         (vLLM's ``SamplingParams`` pass through to vLLM unchanged)."""
         upstream = (
             all_prompt_token_ids is not None
             or all_prompts is not None
-            or sleep_engine is not None
             or (prompts is not None and not _looks_like_prompts(prompts))
         )
         if not upstream:
-            return self._gather_generate(prompts or [], sampling)
+            self.wakeup_inference_engine()
+            outputs = self._gather_generate(prompts or [], sampling)
+            if sleep_engine:
+                self.maybe_sleep_inference_engine()
+            return outputs
         sampling_params = prompts
         if all_prompt_token_ids is None and all_prompts is None and sampling is not None:
             all_prompt_token_ids = sampling  # upstream's second positional argument
@@ -469,10 +479,17 @@ class InferenceEngineCalls:
         """Wake the engine (``tags``: ``"weights"``, ``"kv_cache"``; None: both) when
         ``enable_engine_sleep`` is set."""
         engine = self.inference_engine
-        if self.config.sleep_level is None or engine is None:
+        if self.config.sleep_level is None or engine is None or not engine.supports_sleep:
             return
-        if engine.supports_sleep:
-            engine.wake_up(tags)
+        state = getattr(engine, "state", None)
+        if state is not None:  # wake only what sleeps (the protocol's SleepState)
+            awake = {"weights": state.weights_awake, "kv_cache": state.kv_awake}
+            asleep = [t for t in (tags if tags is not None else awake) if not awake.get(t, False)]
+            if not asleep:
+                return
+            if tags is not None or len(asleep) < len(awake):
+                tags = asleep
+        engine.wake_up(tags)
 
 
 def _more_media(kwargs: Mapping[str, Any]) -> dict[str, tuple[Any, Any]]:
