@@ -17,7 +17,8 @@ machine's torch, transformers and pytest are used as they are), prints the envir
 then runs each step below, its output in OUT/<step>.log:
 
     doctor     `lightrft doctor`
-    demo-*     the GRPO demo on CUDA, one rank per GPU: FSDP2, then DeepSpeed ZeRO-2
+    demo-*     the GRPO demo on CUDA, one rank per GPU: FSDP2 (engine asleep while
+               training, every sync verified), then DeepSpeed ZeRO-2
     strategy   pytest -m gpu on lightrft-strategy (FSDP2 and DeepSpeed on CUDA)
     engines    pytest -m "gpu and vllm|sglang" on lightrft-engines, for each of vLLM
                and SGLang that imports (a missing one is reported as not run)
@@ -175,7 +176,17 @@ def check(wheels: Path, out: Path, site: Path, only: list[str]) -> int:
     # name: (command, folder, time limit in seconds)
     steps: dict[str, tuple[list[str], Path, int]] = {
         "doctor": ([sys.executable, "-m", "lightrft.strategy.cli", "doctor"], ROOT, 120),
-        "demo-fsdp2": ([*demo, "--out", str(runs / "demo-fsdp2")], ROOT, 300),
+        "demo-fsdp2": (
+            [
+                *demo,
+                "--enable_engine_sleep",
+                "--verify_engine_sync",
+                "--out",
+                str(runs / "demo-fsdp2"),
+            ],
+            ROOT,
+            300,
+        ),
         "demo-zero2": (
             [
                 *demo,
