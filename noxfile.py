@@ -95,19 +95,28 @@ def strategy(session: nox.Session, backend: str) -> None:
 
 
 @nox.session(python=DEFAULT_PYTHON)
-@nox.parametrize("part", ["strategy", "vllm", "sglang"], ids=["strategy", "vllm", "sglang"])
+@nox.parametrize(
+    "part", ["strategy", "hf", "vllm", "sglang"], ids=["strategy", "hf", "vllm", "sglang"]
+)
 def gpu(session: nox.Session, part: str) -> None:
     """The CUDA checks (tests marked `gpu`): run `nox -s gpu` on a machine with a GPU.
     They fail, not skip, without CUDA. Not part of the default sessions.
 
-    strategy: FSDP2 and DeepSpeed on CUDA. vllm: vLLM's sleep levels (CUDA-only), with
-    the CUDA vLLM of uv.lock (the `vllm` extra). sglang: a real sglang.Engine (CUDA-only):
-    sync, generation equal to transformers, sleep levels.
+    strategy: FSDP2 and DeepSpeed on CUDA. hf: the Hugging Face engine on CUDA (generation
+    equal to transformers, sleep freeing its memory, syncs). vllm: vLLM's sleep levels
+    (CUDA-only), with the CUDA vLLM of uv.lock (the `vllm` extra). sglang: a real
+    sglang.Engine (CUDA-only): sync, generation equal to transformers, sleep levels.
     """
     if part == "strategy":
         sync(session, "lightrft-strategy", "--extra", "deepspeed", "--group", "test", bytecode=True)
         session.chdir(ROOT / "packages" / "lightrft-strategy")
         session.run("pytest", "-v", "-p", "no:cacheprovider", "-m", "gpu", *session.posargs)
+        return
+    if part == "hf":
+        sync(session, "lightrft-engines", "--extra", "hf", "--group", "test")
+        session.chdir(ROOT / "packages" / "lightrft-engines")
+        marks = "gpu and not vllm and not sglang"
+        session.run("pytest", "-v", "-p", "no:cacheprovider", "-m", marks, *session.posargs)
         return
     # the CUDA vLLM or SGLang of uv.lock (the `vllm` / `sglang` extra)
     sync(session, "lightrft-engines", "--extra", part, "--extra", "hf", "--group", "test")

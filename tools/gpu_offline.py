@@ -20,6 +20,7 @@ then runs each step below, its output in OUT/<step>.log:
     demo-*     the GRPO demo on CUDA, one rank per GPU: FSDP2 (engine asleep while
                training, every sync verified), then DeepSpeed ZeRO-2
     strategy   pytest -m gpu on lightrft-strategy (FSDP2 and DeepSpeed on CUDA)
+    engines-hf the Hugging Face engine's GPU tests (lightrft-engines)
     engines    pytest -m "gpu and vllm|sglang" on lightrft-engines, for each of vLLM
                and SGLang that imports (a missing one is reported as not run)
 
@@ -201,6 +202,7 @@ def check(wheels: Path, out: Path, site: Path, only: list[str]) -> int:
             300,
         ),
         "strategy": ([*pytest, "--durations=0", "-m", "gpu"], strategy_dir, 1200),
+        "engines-hf": ([*pytest, "-m", "gpu and not vllm and not sglang"], engines_dir, 600),
     }
     for engine in ("vllm", "sglang"):
         probe = subprocess.run(
@@ -243,8 +245,8 @@ def main(argv: list[str]) -> int:
         "--only",
         nargs="*",
         default=[],
-        help="run only these steps (doctor, demo-fsdp2, demo-zero2, strategy, engines-vllm, "
-        "engines-sglang)",
+        help="run only these steps (doctor, demo-fsdp2, demo-zero2, strategy, engines-hf, "
+        "engines-vllm, engines-sglang)",
     )
     args = parser.parse_args(argv)
     if args.command == "bundle":

@@ -63,8 +63,12 @@ def test_deepspeed_on_cuda_matches_unsharded_training(stage: int) -> None:
         train_batch_size=4 * world,
         micro_train_batch_size=2,
     )
-    ranks = run_distributed(workers.train, world, cfg, 4, init_process_group=False)
-    ref = workers.reference(cfg, 4, [r["used"] for r in ranks])
+    # ZeRO-3 builds the model under deepspeed.zero.Init, which on CUDA draws the random
+    # weights on the GPU (another generator than the reference's): start from the same
+    ranks = run_distributed(
+        workers.train, world, cfg, 4, record_initial=True, init_process_group=False
+    )
+    ref = workers.reference(cfg, 4, [r["used"] for r in ranks], initial=ranks[0]["initial"])
     torch.testing.assert_close(ranks[0]["losses"], ref["losses"], rtol=1e-4, atol=1e-5)
     workers.assert_states_close(ranks[0]["state"], ref["state"], rtol=1e-4, atol=1e-5)
 

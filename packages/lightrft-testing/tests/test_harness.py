@@ -56,6 +56,24 @@ def test_reference_equals_a_strategy_only_with_the_same_schedule_and_model() -> 
         assert_states_close(run["state"], constant["state"], rtol=1e-5, atol=1e-6)
 
 
+def test_reference_starts_from_the_recorded_initial_weights() -> None:
+    """record_initial/initial: a model whose random weights came from another generator
+    (ZeRO-3's init on CUDA) is compared from where it really started."""
+    cfg = _fake(lr_scheduler="constant_with_warmup", lr_warmup_ratio=0.0)
+
+    def shifted() -> TinyRegressor:  # the same model, other initial weights
+        torch.manual_seed(99)
+        return TinyRegressor()
+
+    run = train(cfg, 3, model=shifted, record_initial=True)
+    assert_states_close(run["initial"], shifted().state_dict(), rtol=0, atol=0)
+    seeded = reference(cfg, 3, [run["used"]])  # TinyRegressor() seeded by cfg["seed"]
+    assert abs(seeded["losses"][0] - run["losses"][0]) > 1e-3
+    same = reference(cfg, 3, [run["used"]], initial=run["initial"])
+    torch.testing.assert_close(run["losses"], same["losses"], rtol=1e-5, atol=1e-6)
+    assert_states_close(run["state"], same["state"], rtol=1e-5, atol=1e-6)
+
+
 def test_assert_states_close_names_missing_entries() -> None:
     state = TinyRegressor().state_dict()
     fewer = {k: v for k, v in state.items() if k != "head.bias"}

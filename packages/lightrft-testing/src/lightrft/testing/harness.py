@@ -19,7 +19,7 @@ strategy's own ``build_scheduler`` is never its own reference.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
@@ -55,6 +55,7 @@ def train(
     init_context: bool = True,
     ema_beta: float | None = None,
     defer_setup: bool = False,
+    record_initial: bool = False,
 ) -> dict[str, Any]:
     """Train ``steps`` optimizer steps of ``model()`` on ``task()`` with the strategy
     ``get_strategy(cfg)`` (seeded by ``cfg["seed"]``; the schedule runs over
@@ -67,13 +68,17 @@ def train(
     the strategy's ``moving_average`` runs after each optimizer step into (a) a model
     built and prepared like the actor and (b) a plain module, both starting from the
     actor's initial weights. ``defer_setup`` builds the strategy deferred and sets it
-    up explicitly.
+    up explicitly. ``record_initial`` also returns the prepared model's full state
+    before training (give it to :func:`reference` as ``initial``: a model built under
+    ZeRO-3's ``init_model_context`` on CUDA draws its random weights on the GPU, from
+    another generator than the reference's CPU one).
 
     Returns, on every rank: ``losses`` (per step, averaged over ranks), ``used`` (the
     sample indices of each micro-batch), ``stepped`` (``optimizer_step``'s answer per
     micro-batch), ``norms`` (the clipped-before gradient norm per step), ``lr`` (the
     last learning rate), ``client`` (the client state loaded), ``built_on_meta``;
-    on rank 0 only (``None`` elsewhere): ``state`` (the full model state) and ``ema``.
+    on rank 0 only (``None`` elsewhere): ``state`` (the full model state), ``ema`` and
+    ``initial`` (with ``record_initial``).
     """
     from lightrft.strategy import get_strategy
 
@@ -96,6 +101,7 @@ def train(
     (actor, optim, sched), *_ = strategy.prepare_models_and_optimizers(
         net, None, None, None, None, max_steps=max_steps
     )
+    initial = strategy.full_state_dict(actor) if record_initial else None  # collective
     loader = strategy.setup_dataloader(task())
     client: dict[str, Any] = {}
     if load_dir is not None:
@@ -106,7 +112,10 @@ def train(
         micro = []
         for _ in range(strategy.accumulated_gradient):
             index, x, y = next(batches)
-            loss = nn.functional.mse_loss(actor(x.to(strategy.device)), y.to(strategy.device))
+            # in fp32 whatever the model computes in (CUDA's mse_loss backward refuses a
+            # bf16 prediction against an fp32 target)
+            pred = actor(x.to(strategy.device)).float()
+            loss = nn.functional.mse_loss(pred, y.to(strategy.device))
             strategy.backward(loss, actor, optim)
             stepped.append(strategy.optimizer_step(optim, actor, sched))
             if stepped[-1]:
@@ -130,6 +139,7 @@ def train(
         "losses": losses, "used": used, "stepped": stepped, "norms": norms,
         "lr": sched.get_last_lr()[0], "client": client, "built_on_meta": built_on_meta,
         "state": state if rank == 0 else None, "ema": ema_states if rank == 0 else None,
+        "initial": initial if rank == 0 else None,
     }  # fmt: skip
 
 
@@ -151,17 +161,21 @@ def reference(
     task: TaskFactory = RegressionTask,
     lr_factor: Callable[[int], float] | None = None,
     ema_beta: float | None = None,
+    initial: Mapping[str, torch.Tensor] | None = None,
 ) -> dict[str, Any]:
     """The same ``steps`` in one process with plain torch in fp32, replaying ``used``
-    (each rank's ``train(...)["used"]``): AdamW (betas 0.9/0.95) with weight decay
-    ``cfg["l2"]`` on matrices only (biases and norm weights are 1-d), one global clip at
-    ``cfg["max_norm"]``, and the learning rate ``cfg["actor_learning_rate"] *
-    lr_factor(step)`` (constant when ``lr_factor`` is None).
+    (each rank's ``train(...)["used"]``), from ``model()`` seeded by ``cfg["seed"]`` or
+    from ``initial`` (``train(..., record_initial=True)["initial"]``): AdamW (betas
+    0.9/0.95) with weight decay ``cfg["l2"]`` on matrices only (biases and norm weights
+    are 1-d), one global clip at ``cfg["max_norm"]``, and the learning rate
+    ``cfg["actor_learning_rate"] * lr_factor(step)`` (constant when ``lr_factor`` is None).
 
     Returns ``losses``, ``state`` (the final state dict) and ``ema`` (of the
     parameters after each step, with ``ema_beta``)."""
     torch.manual_seed(cfg["seed"])
     net = model()
+    if initial is not None:
+        net.load_state_dict(initial)
     data = task()
     ema = {n: p.detach().clone() for n, p in net.named_parameters()}
     params = list(net.parameters())
