@@ -45,11 +45,19 @@ def test_cuda_resume_and_optimizer_offload(tmp_path: Path) -> None:
     assert moved == {"offloaded": "cpu", "reloaded": "cuda", "unchanged": True}
 
 
-def test_bf16_on_cuda_trains() -> None:
+def test_bf16_on_cuda_tracks_the_fp32_reference() -> None:
+    """bf16 compute, fp32 master weights and fp32 gradient reduction: close to the plain
+    fp32 run, not equal (the CPU test's tolerance)."""
     _gpus()
     cfg = workers.config(device="cuda", precision="bf16", train_batch_size=4)
-    ranks = run_distributed(workers.train, 1, cfg, 6, init_process_group=False)
-    assert ranks[0]["losses"][-1] < ranks[0]["losses"][0]
+    steps = 6
+    ranks = run_distributed(workers.train, 1, cfg, steps, init_process_group=False)
+    ref = workers.reference(cfg, steps, [ranks[0]["used"]])
+    torch.testing.assert_close(ranks[0]["losses"], ref["losses"], rtol=2e-2, atol=2e-3)
+    for name, value in ranks[0]["state"].items():  # Adam flips the odd element: as a whole
+        error = torch.linalg.vector_norm(value - ref["state"][name])
+        assert error <= 2e-2 * torch.linalg.vector_norm(ref["state"][name]), name
+    assert all(t.dtype == torch.float32 for t in ranks[0]["state"].values())
 
 
 @pytest.mark.deepspeed
