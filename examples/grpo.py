@@ -17,7 +17,8 @@ configuration selects (``--backend fsdp2|deepspeed|fake``, ``--zero_stage``,
 ``--engine_type hf|vllm|fake``, ``--device``). The run directory (``--out``) gets
 ``metrics.jsonl`` (one line per step), ``plot.png`` (reward and KL per step) and
 rotated checkpoints; ``--resume`` continues from the latest checkpoint and gives the
-same per-step metrics as an uninterrupted run.
+same per-step metrics as an uninterrupted run (``--stop-after N`` stops a run after
+step N as an interruption would; the learning-rate schedule still spans ``--steps``).
 
     torchrun --nproc-per-node 2 examples/grpo.py            # the default: 2 ranks, FSDP2, HF
     python examples/grpo.py --backend fake --engine_type fake --steps 5
@@ -111,6 +112,12 @@ def train(config: StrategyConfig, opts: argparse.Namespace) -> dict[str, Any]:
     if opts.resume:
         _, client = strategy.load_ckpt(actor, out / "checkpoints")
         first = int(client["step"]) + 1
+        if client.get("steps", opts.steps) != opts.steps and rank == 0:
+            log.warning(
+                "resuming a run of --steps %s with --steps %s: the learning-rate schedule now "
+                "spans %s steps, so (unless it is constant) the steps after %s differ from "
+                "either uninterrupted run", client["steps"], opts.steps, opts.steps, first - 1,
+            )  # fmt: skip
         strategy.update_engine_weights(actor)  # the engine still has the initial weights
         if rank == 0:  # forget steps after the checkpoint
             kept = metrics_file.read_text().splitlines()[: first - 1]
@@ -120,7 +127,8 @@ def train(config: StrategyConfig, opts: argparse.Namespace) -> dict[str, Any]:
     vocab, prompt_len = MODEL["vocab_size"], opts.prompt_len
     history: list[dict[str, Any]] = []
     last: Path | None = None
-    for step in range(first, opts.steps + 1):
+    last_step = min(opts.steps, opts.stop_after or opts.steps)
+    for step in range(first, last_step + 1):
         gen = torch.Generator().manual_seed(config.seed * 100_003 + step * 1_009 + rank)
         prompts = torch.randint(0, vocab, (prompts_per_rank, prompt_len), generator=gen)
         sampling = SamplingParams(
@@ -172,8 +180,9 @@ def train(config: StrategyConfig, opts: argparse.Namespace) -> dict[str, Any]:
             with metrics_file.open("a") as f:
                 f.write(json.dumps(row) + "\n")
             _progress(row, opts.steps)
-        if step % opts.save_every == 0 or step == opts.steps:
-            last = strategy.save_ckpt(actor, out / "checkpoints", client_state={"step": step})
+        if step % opts.save_every == 0 or step == last_step:
+            state = {"step": step, "steps": opts.steps}
+            last = strategy.save_ckpt(actor, out / "checkpoints", client_state=state)
     if rank == 0:
         sys.stderr.write("\n")
         rows = [json.loads(line) for line in metrics_file.read_text().splitlines()]
@@ -202,6 +211,11 @@ def parse(argv: list[str] | None) -> tuple[StrategyConfig, argparse.Namespace]:
     parser.add_argument("--steps", type=int, default=30, help="GRPO steps")
     parser.add_argument("--out", type=Path, default=Path("runs/demo"), help="run directory")
     parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
+    parser.add_argument(
+        "--stop-after", type=int, default=None, metavar="N",
+        help="stop after step N, as an interrupted run would (checkpoint saved; the schedule "
+        "still spans --steps): --resume continues it",
+    )  # fmt: skip
     parser.add_argument("--prompt-len", type=int, default=4)
     parser.add_argument("--new-tokens", type=int, default=8)
     parser.add_argument("--target-ids", type=int, default=8, help="reward: tokens below this id")
@@ -213,9 +227,11 @@ def parse(argv: list[str] | None) -> tuple[StrategyConfig, argparse.Namespace]:
     )  # fmt: skip
     StrategyConfig.add_arguments(parser, suppress_defaults=True)
     given = vars(parser.parse_args(argv))
-    names = ("config", "steps", "out", "resume", "prompt_len", "new_tokens", "target_ids",
-             "kl_coef", "save_every", "min_gain")  # fmt: skip
+    names = ("config", "steps", "out", "resume", "stop_after", "prompt_len", "new_tokens",
+             "target_ids", "kl_coef", "save_every", "min_gain")  # fmt: skip
     opts = argparse.Namespace(**{n: given.pop(n) for n in names})
+    if opts.stop_after is not None and not 1 <= opts.stop_after <= opts.steps:
+        parser.error(f"--stop-after {opts.stop_after} must be within 1..--steps ({opts.steps})")
     return StrategyConfig.load(file=opts.config, args=given), opts
 
 

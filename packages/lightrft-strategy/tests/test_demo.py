@@ -36,7 +36,9 @@ def _mean(rows: list[dict[str, Any]]) -> float:
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_grpo_demo_learns_and_resumes_exactly(backend: list[str], tmp_path: Path) -> None:
-    common = [*backend, "--engine_type", "hf", "--save-every", "6"]
+    # a decaying schedule: the interrupted run must keep the 12-step horizon
+    common = [*backend, "--engine_type", "hf", "--save-every", "6",
+              "--lr_scheduler", "cosine_with_min_lr"]  # fmt: skip
     full, part = tmp_path / "full", tmp_path / "part"
     run_torchrun(GRPO, *common, "--steps", "12", "--out", str(full), timeout=600)
     rows = _metrics(full)
@@ -44,8 +46,9 @@ def test_grpo_demo_learns_and_resumes_exactly(backend: list[str], tmp_path: Path
     assert _mean(rows[-3:]) > _mean(rows[:3]) + 0.2, [r["reward_mean"] for r in rows]
     assert all(r["weight_version"] == r["step"] + 1 for r in rows)  # synced every step
     assert (full / "plot.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    run_torchrun(GRPO, *common, "--steps", "6", "--min-gain", "-1", "--out", str(part),
-                 timeout=600)  # fmt: skip
+    run_torchrun(GRPO, *common, "--steps", "12", "--stop-after", "6", "--min-gain", "-1",
+                 "--out", str(part), timeout=600)  # fmt: skip
+    assert [r["step"] for r in _metrics(part)] == list(range(1, 7))
     run_torchrun(GRPO, *common, "--steps", "12", "--resume", "--out", str(part), timeout=600)
     resumed = _metrics(part)
     assert [r["step"] for r in resumed] == list(range(1, 13))
