@@ -165,3 +165,55 @@ def clip_after_load_case(stage: int, load_dir: str, max_norm: float) -> float:
     clip = float(optim.clip_grad)
     strategy.close()
     return clip
+
+
+def mixed_precision_state_case(cfg: dict[str, Any], save_dir: str) -> dict[str, Any] | None:
+    """Train a tiny HF causal LM 2 steps in bf16 and ``save_ckpt``; return (rank 0) each
+    trained parameter's fp32 master weight and Adam moments as DeepSpeed holds them in
+    memory (the optimizer wrapper's own objects), and the wrapper's class."""
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+    strategy = get_strategy(cfg)
+    torch.manual_seed(cfg["seed"])
+    with strategy.init_model_context():
+        model = tiny_hf_causal_lm()
+    (actor, optim, sched), *_ = strategy.prepare_models_and_optimizers(
+        model, None, None, None, None, max_steps=10
+    )
+    generator = torch.Generator().manual_seed(strategy.get_rank())
+    for _ in range(2 * strategy.accumulated_gradient):
+        ids = torch.randint(0, 128, (1, 12), generator=generator)
+        strategy.backward(actor(input_ids=ids, labels=ids).loss, actor, optim)
+        strategy.optimizer_step(optim, actor, sched)
+    strategy.save_ckpt(actor, save_dir)
+    wrapper = actor.optimizer
+    held: dict[str, dict[str, torch.Tensor]] = {}
+    names = {id(p): n for n, p in actor.module.named_parameters()}
+    if hasattr(wrapper, "fp32_groups"):  # ZeRO-0: DeepSpeed's unfused FP16 wrapper
+        for low, high in zip(wrapper.fp16_groups, wrapper.fp32_groups, strict=True):
+            for p, q in zip(low, high, strict=True):
+                state = wrapper.optimizer.state[q]
+                held[names[id(p)]] = {"fp32": q.detach().cpu().clone()}
+                held[names[id(p)]].update(
+                    {k: state[k].cpu().clone() for k in ("exp_avg", "exp_avg_sq")}
+                )
+    elif hasattr(wrapper, "fp32_groups_flat"):  # ZeRO-0 on CUDA: the fused FP16 wrapper
+        for low, flat in zip(wrapper.fp16_groups, wrapper.fp32_groups_flat, strict=True):
+            state, offset = wrapper.optimizer.state[flat], 0
+            for p in low:
+                n = p.numel()
+                pieces = {"fp32": flat, **{k: state[k] for k in ("exp_avg", "exp_avg_sq")}}
+                held[names[id(p)]] = {
+                    k: v.detach().reshape(-1)[offset : offset + n].view(p.shape).cpu().clone()
+                    for k, v in pieces.items()
+                }
+                offset += n
+    else:  # ZeRO-1 (the BF16 optimizer): DeepSpeed's own gathering API (collective)
+        for name, p in actor.module.named_parameters():
+            held[name] = {"fp32": safe_get_full_fp32_param(p).cpu().clone()}
+            for key in ("exp_avg", "exp_avg_sq"):
+                held[name][key] = safe_get_full_optimizer_state(p, key).cpu().clone()
+    out = {"wrapper": type(wrapper).__name__, "held": held}
+    rank = strategy.get_rank()
+    strategy.close()
+    return out if rank == 0 else None

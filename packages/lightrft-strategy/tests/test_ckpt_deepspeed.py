@@ -51,6 +51,43 @@ def test_zero_checkpoint_exports_like_save_model(
     assert (tag["backend"], tag["zero_stage"], tag["world_size"]) == ("deepspeed", stage, 2)
 
 
+@pytest.mark.parametrize(
+    ("stage", "extra", "wrapper"),
+    [(0, {}, "FP16_UnfusedOptimizer"), (1, {"grad_accum_dtype": "fp32"}, "BF16_Optimizer")],
+    ids=["zero0-bf16", "zero1-bf16-fp32-accumulation"],
+)
+def test_deepspeed_mixed_precision_wrappers_are_read(
+    stage: int, extra: dict[str, Any], wrapper: str, tmp_path: Path
+) -> None:
+    """In bf16, ZeRO-0 keeps the fp32 masters and Adam state in DeepSpeed's FP16 optimizer
+    wrapper, and ZeRO-1 with fp32 gradient accumulation in its BF16 optimizer (files
+    ``bf16_zero_pp_rank_*``): read from the files, they equal what DeepSpeed held in
+    memory, bit for bit; export writes those masters, and a conversion verifies."""
+    cfg = ds_workers.ds(
+        stage, train_batch_size=2, micro_train_batch_size=1, precision="bf16", **extra
+    )
+    save_dir = tmp_path / "ckpt"
+    ranks = run_distributed(
+        ds_workers.mixed_precision_state_case, 2, cfg, str(save_dir),
+        init_process_group=False, timeout=300,
+    )  # fmt: skip
+    assert ranks[0]["wrapper"] == wrapper
+    held = ranks[0]["held"]
+    contents = read_contents(open_checkpoint(save_dir), optimizer=True)
+    assert contents.optimizer is not None
+    for name, tensors in held.items():
+        assert torch.equal(contents.weights[name], tensors["fp32"]), name
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(contents.optimizer.state[name][key], tensors[key]), (name, key)
+    run_cli("ckpt", "export", save_dir, "--to", "hf", tmp_path / "hf", "--no-progress")
+    exported = hf_weights(tmp_path / "hf")
+    for name, tensors in held.items():
+        assert torch.equal(exported[name], tensors["fp32"]), name
+    result = run_cli("ckpt", "convert", save_dir, "--to", "fsdp2", tmp_path / "fsdp2",
+                     "--no-progress")  # fmt: skip
+    assert "max abs diff 0" in result.stdout
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """Per backend: 6 uninterrupted steps, and 3 steps saved to a save_dir."""

@@ -120,3 +120,28 @@ def test_fsdp2_checkpoint_converted_to_a_cuda_deepspeed_run_resumes(tmp_path: Pa
     resumed = run_distributed(workers.train, world, ds_cfg, 3, load_dir=str(tmp_path / "b"), **run)
     torch.testing.assert_close(resumed[0]["losses"], full[0]["losses"][3:], rtol=1e-4, atol=1e-5)
     workers.assert_states_close(resumed[0]["state"], full[0]["state"], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.deepspeed
+def test_zero0_bf16_cuda_checkpoint_is_read_from_the_fused_wrapper(tmp_path: Path) -> None:
+    """On CUDA, ZeRO-0 in bf16 steps with FusedAdam inside DeepSpeed's fused FP16
+    wrapper (one flat fp32 master per group): the files give back what it held."""
+    from lightrft.strategy.checkpoint.offline import open_checkpoint, read_contents
+
+    from . import ds_workers
+
+    _gpus()
+    cfg = ds_workers.ds(
+        0, device="cuda", precision="bf16", train_batch_size=1, micro_train_batch_size=1
+    )
+    save_dir = tmp_path / "ckpt"
+    (rank0,) = run_distributed(
+        ds_workers.mixed_precision_state_case, 1, cfg, str(save_dir), init_process_group=False
+    )
+    assert rank0["wrapper"] == "FP16_Optimizer"
+    contents = read_contents(open_checkpoint(save_dir), optimizer=True)
+    assert contents.optimizer is not None
+    for name, tensors in rank0["held"].items():
+        assert torch.equal(contents.weights[name], tensors["fp32"]), name
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(contents.optimizer.state[name][key], tensors[key]), (name, key)

@@ -803,6 +803,14 @@ class StrategyBase(InferenceEngineCalls, metaclass=ReadyOnConstruction):
         """The (optimizer, scheduler) :meth:`prepare` paired with ``model``, or Nones."""
         return self._optimizers.get(model, (None, None))
 
+    def optimizer_param_groups(self, model: nn.Module, optimizer: Any) -> list[list[Any]] | None:
+        """Backend: the parameters of each of ``optimizer``'s groups, in its order, as the
+        model holds them (recorded by name in checkpoints); None when it cannot tell."""
+        groups = getattr(optimizer, "param_groups", None)
+        if not groups:
+            return None
+        return [list(group["params"]) for group in groups]
+
     def checkpoint_info(self) -> dict[str, Any]:
         """Backend: facts recorded in a checkpoint's metadata that decide whether it can
         be loaded (DeepSpeed: the ZeRO stage). Plain JSON values."""

@@ -4,11 +4,14 @@ job of CPU ranks (:mod:`.deepspeed_writer`).
 Files (world size N; a ``bf16_`` prefix on the optimizer files in bf16 mode):
 
 - stage 0: ``mp_rank_00_model_states.pt`` (``module``: full weights; ``optimizer``:
-  torch's own ``state_dict()``, integer ids, no names);
+  torch's own ``state_dict()``, integer ids, no names; in bf16/fp16, DeepSpeed's FP16
+  optimizer wrapper's: the fp32 master weights and torch's state of the masters);
 - stages 1, 2: ``mp_rank_00_model_states.pt`` (``param_shapes``: per group, the names and
   shapes in layout order) and one ``zero_pp_rank_{r}_mp_rank_00_optim_states.pt`` per
   rank: the rank's slice of each group's flat fp32 vector (its tail padding stripped),
-  and the base optimizer's state of that flat slice (moments still padded);
+  and the base optimizer's state of that flat slice (moments still padded). DeepSpeed's
+  BF16 optimizer (bf16 at stage 1 with fp32 gradient accumulation) writes the same
+  layout to ``bf16_zero_pp_rank_...`` files, the last rank's slice keeping its padding;
 - stage 3: one ``zero_pp_rank_{r}_mp_rank_00_model_states.pt`` and one ``..._optim_states.pt``
   per rank: per sub-group, for every parameter in order, the rank's piece of
   ``ceil(numel / N)`` elements (the last rank's padded with zeros).
@@ -79,8 +82,9 @@ def _hyperparameters(group: Mapping[str, Any]) -> dict[str, Any]:
 class _Reader:
     """Collects full tensors by name: weights (fp32 master), moments, steps, groups."""
 
-    def __init__(self, tag_dir: Path) -> None:
+    def __init__(self, tag_dir: Path, shapes: Mapping[str, Any] | None = None) -> None:
         self.tag_dir = tag_dir
+        self.shapes = dict(shapes or {})  # name -> shape, from the metadata
         self.weights: dict[str, torch.Tensor] = {}
         self.state: dict[str, dict[str, torch.Tensor]] = {}
         self.groups: list[dict[str, Any]] = []
@@ -188,15 +192,13 @@ class _Reader:
         for name, tensor in module.items():
             if name not in buffers:
                 self.weights[name] = tensor
-        if torch_state is None or not optimizer:
+        if torch_state is None:
             return
-        if "optimizer_state_dict" in torch_state or "fp32_groups" in torch_state:
-            raise CheckpointError(
-                f"{self.tag_dir} is a ZeRO stage 0 checkpoint in mixed precision: DeepSpeed's "
-                "bf16/fp16 optimizer wrapper holds the fp32 master weights and Adam state, a "
-                "format this command does not convert. Export its weights (export reads the "
-                "module's), or resume it with DeepSpeed at ZeRO stage 1-3 and save again"
-            )
+        if "optimizer_state_dict" in torch_state:  # bf16/fp16: DeepSpeed's wrapper
+            self.zero0_mixed(torch_state, group_names, optimizer)
+            return
+        if not optimizer:
+            return
         if group_names is None:
             if len(torch_state["param_groups"]) != 1:
                 raise CheckpointError(
@@ -219,6 +221,76 @@ class _Reader:
                 self.put_step(name, state.get("step"))
             self.groups.append({**_hyperparameters(group), "params": list(names)})
 
+    def zero0_mixed(
+        self, wrapper: dict[str, Any], group_names: list[list[str]] | None, optimizer: bool
+    ) -> None:
+        """ZeRO stage 0 in bf16/fp16: DeepSpeed's FP16 optimizer wrapper holds the fp32
+        master weights (the module holds their bf16/fp16 copies) and the Adam state of the
+        masters, per parameter (``fp32_groups``: the unfused wrapper, around torch's
+        optimizers) or one flat tensor per group (``fp32_groups_flat``: the fused one,
+        around DeepSpeed's FusedAdam on CUDA), parameters in group order, unpadded."""
+        if group_names is None:
+            raise CheckpointError(
+                f"{self.tag_dir} is a ZeRO stage 0 checkpoint in mixed precision whose "
+                "optimizer groups are not named in its metadata (saved before "
+                "lightrft-strategy 0.3): its fp32 master weights cannot be told apart. Resume "
+                "it with this release and save again"
+            )
+        base = wrapper["optimizer_state_dict"]
+        per_param = wrapper.get("fp32_groups")
+        flats = wrapper.get("fp32_groups_flat")
+        if len(base["param_groups"]) != len(group_names):
+            raise CheckpointError(
+                f"{self.tag_dir}: the optimizer has {len(base['param_groups'])} groups, the "
+                f"metadata names {len(group_names)}"
+            )
+        for g, (group, names) in enumerate(zip(base["param_groups"], group_names, strict=True)):
+            if per_param is not None:
+                masters = list(per_param[g])
+                states = [base["state"].get(pid, {}) for pid in group["params"]]
+                if not len(masters) == len(states) == len(names):
+                    raise CheckpointError(
+                        f"{self.tag_dir}: optimizer group {g} holds {len(masters)} master "
+                        f"weights, the metadata names {len(names)}"
+                    )
+                for name, master, state in zip(names, masters, states, strict=True):
+                    self.weights[name] = master
+                    if optimizer:
+                        for key in MOMENTS:
+                            if key in state:
+                                self.put(name, key, state[key].clone())
+                        self.put_step(name, state.get("step"))
+            else:
+                if flats is None:
+                    raise CheckpointError(
+                        f"{self.tag_dir}: DeepSpeed's optimizer wrapper holds neither "
+                        "fp32_groups nor fp32_groups_flat; a DeepSpeed release this command "
+                        "does not know wrote it"
+                    )
+                flat = flats[g]
+                (pid,) = group["params"]
+                state = base["state"].get(pid, {})
+                shapes = [tuple(self.shapes[name]) for name in names]
+                needed = sum(math.prod(shape) for shape in shapes)
+                if needed != flat.numel():
+                    raise CheckpointError(
+                        f"{self.tag_dir}: optimizer group {g} holds {flat.numel()} values, its "
+                        f"recorded parameters {needed}; the files do not belong together"
+                    )
+                offset = 0
+                for name, shape in zip(names, shapes, strict=True):
+                    numel = math.prod(shape)
+                    self.weights[name] = flat.narrow(0, offset, numel).view(shape).clone()
+                    if optimizer:
+                        for key in MOMENTS:
+                            if key in state:
+                                moment = state[key].reshape(-1).narrow(0, offset, numel)
+                                self.put(name, key, moment.view(shape).clone())
+                        self.put_step(name, state.get("step"))
+                    offset += numel
+            if optimizer:
+                self.groups.append({**_hyperparameters(group), "params": list(names)})
+
 
 def read_deepspeed(
     info: CheckpointInfo, optimizer: bool, progress: Callable[[str, int, int], None] | None = None
@@ -239,7 +311,8 @@ def _read_deepspeed(
     info: CheckpointInfo, optimizer: bool, progress: Callable[[str, int, int], None] | None
 ) -> CheckpointContents:
     tag_dir = info.path
-    reader = _Reader(tag_dir)
+    recorded = (info.metadata.get("model") or {}).get("parameters", [])
+    reader = _Reader(tag_dir, {str(entry[0]): entry[1] for entry in recorded})
     optim_files = _rank_files(tag_dir, "optim")
     model_files = _rank_files(tag_dir, "model") if optim_files else []
     total = len(optim_files) + max(1, len(model_files))
@@ -258,13 +331,10 @@ def _read_deepspeed(
         reader.zero0(model, info.metadata.get("optimizer_groups"), optimizer)
     else:
         shards = [load(path)["optimizer_state_dict"] for path in optim_files]
-        if "zero_stage" not in shards[0]:
-            raise CheckpointError(
-                f"{optim_files[0]} was written by DeepSpeed's BF16 optimizer (bf16 at ZeRO "
-                "stage 0-1 with fp32 gradient accumulation), a format this command does not "
-                "read; resume the run with DeepSpeed at ZeRO stage 2 or 3 and save again"
-            )
-        stage = int(shards[0]["zero_stage"])
+        # DeepSpeed's BF16 optimizer (bf16 at ZeRO-1 with fp32 gradient accumulation)
+        # records no stage; its files have the stage-1 layout (partitions of each group's
+        # flat fp32 vector, the last one padded)
+        stage = int(shards[0].get("zero_stage", 1))
         if stage <= 2:
             model = load(tag_dir / "mp_rank_00_model_states.pt")
             reader.zero12(shards, model)

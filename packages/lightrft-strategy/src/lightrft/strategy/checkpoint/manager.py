@@ -113,7 +113,9 @@ def save_checkpoint(
         "versions": _versions(),
         "model": model_layout(strategy.unwrap_model(model)),
         "optimizer": _qualified_name(optimizer) if optimizer is not None else None,
-        "optimizer_groups": optimizer_groups(strategy.unwrap_model(model), optimizer),
+        "optimizer_groups": optimizer_groups(
+            strategy.unwrap_model(model), strategy.optimizer_param_groups(model, optimizer)
+        ),
     }
     final = ckpt.commit(tag, staging, metadata, update_latest=save_latest)
     ckpt.rotate(
@@ -167,15 +169,14 @@ def model_layout(model: nn.Module) -> dict[str, Any]:
     }
 
 
-def optimizer_groups(model: nn.Module, optimizer: Any) -> list[list[str]] | None:
-    """The parameter names of each optimizer group, in order, when the optimizer holds
-    the model's own parameters (not ZeRO's flat partitions, whose files name them)."""
-    groups = getattr(optimizer, "param_groups", None)
+def optimizer_groups(model: nn.Module, groups: list[list[Any]] | None) -> list[list[str]] | None:
+    """The parameter names of each optimizer group, in order, when the groups hold the
+    model's own parameters (not ZeRO's flat partitions, whose files name them)."""
     if not groups:
         return None
     names = {id(p): name for name, p in model.named_parameters()}
     try:
-        return [[names[id(p)] for p in group["params"]] for group in groups]
+        return [[names[id(p)] for p in group] for group in groups]
     except (KeyError, TypeError):
         return None
 

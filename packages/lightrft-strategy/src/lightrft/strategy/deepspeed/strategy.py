@@ -550,6 +550,16 @@ class DeepspeedStrategy(StrategyBase):
                             param.data.to(ema.device, ema.dtype), alpha=1 - beta
                         )
 
+    def optimizer_param_groups(self, model: nn.Module, optimizer: Any) -> list[list[Any]] | None:
+        # ZeRO-0 in bf16/fp16: DeepSpeed's FP16 optimizer wrappers hand the optimizer fp32
+        # copies (or one flat copy per group); their fp16_groups are the model's own
+        wrapper = getattr(model, "optimizer", None)
+        if hasattr(wrapper, "fp32_groups") or hasattr(wrapper, "fp32_groups_flat"):
+            low = getattr(wrapper, "fp16_groups", None)
+            if low is not None:
+                return [list(group) for group in low]
+        return super().optimizer_param_groups(model, optimizer)
+
     def checkpoint_info(self) -> dict[str, Any]:
         return {"zero_stage": self.config.zero_stage, "precision": self.config.resolved_precision}
 
