@@ -9,7 +9,7 @@ from torch import nn
 
 from lightrft.strategy import get_strategy
 
-from .workers import RegressionTask, TinyRegressor, config, tiny_hf_causal_lm
+from .workers import RegressionTask, TinyRegressor, config, tiny_hf_causal_lm, train_tiny_hf
 
 
 def ds(stage: int, **changes: Any) -> dict[str, Any]:
@@ -173,18 +173,7 @@ def mixed_precision_state_case(cfg: dict[str, Any], save_dir: str) -> dict[str, 
     memory (the optimizer wrapper's own objects), and the wrapper's class."""
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
-    strategy = get_strategy(cfg)
-    torch.manual_seed(cfg["seed"])
-    with strategy.init_model_context():
-        model = tiny_hf_causal_lm()
-    (actor, optim, sched), *_ = strategy.prepare_models_and_optimizers(
-        model, None, None, None, None, max_steps=10
-    )
-    generator = torch.Generator().manual_seed(strategy.get_rank())
-    for _ in range(2 * strategy.accumulated_gradient):
-        ids = torch.randint(0, 128, (1, 12), generator=generator)
-        strategy.backward(actor(input_ids=ids, labels=ids).loss, actor, optim)
-        strategy.optimizer_step(optim, actor, sched)
+    strategy, actor = train_tiny_hf(cfg)
     strategy.save_ckpt(actor, save_dir)
     wrapper = actor.optimizer
     held: dict[str, dict[str, torch.Tensor]] = {}

@@ -520,9 +520,9 @@ def multimodal_gather_case(cfg: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def hf_checkpoint_case(cfg: dict[str, Any], save_dir: str, hf_dir: str, steps: int = 2) -> None:
-    """Train a tiny HF causal LM ``steps`` steps, then ``save_ckpt`` to ``save_dir`` and
-    ``save_model`` to ``hf_dir``: the two outputs ``lightrft ckpt export`` must agree on."""
+def train_tiny_hf(cfg: dict[str, Any], steps: int = 2) -> tuple[Any, Any]:
+    """A strategy for ``cfg`` and a tiny HF causal LM trained ``steps`` steps on it:
+    ``(strategy, actor)``."""
     strategy = get_strategy(cfg)
     torch.manual_seed(cfg["seed"])
     with strategy.init_model_context():
@@ -536,6 +536,13 @@ def hf_checkpoint_case(cfg: dict[str, Any], save_dir: str, hf_dir: str, steps: i
         loss = actor(input_ids=ids, labels=ids).loss
         strategy.backward(loss, actor, optim)
         strategy.optimizer_step(optim, actor, sched)
+    return strategy, actor
+
+
+def hf_checkpoint_case(cfg: dict[str, Any], save_dir: str, hf_dir: str, steps: int = 2) -> None:
+    """Train a tiny HF causal LM ``steps`` steps, then ``save_ckpt`` to ``save_dir`` and
+    ``save_model`` to ``hf_dir``: the two outputs ``lightrft ckpt export`` must agree on."""
+    strategy, actor = train_tiny_hf(cfg, steps)
     strategy.save_ckpt(actor, save_dir)
     strategy.save_model(actor, None, hf_dir)
     strategy.close()
