@@ -17,7 +17,7 @@ machine's torch, transformers and pytest are used as they are), prints the envir
 then runs each step below, its output in OUT/<step>.log:
 
     doctor     `lightrft doctor`
-    demo-*     the GRPO demo on CUDA, one rank per GPU: FSDP2 (engine asleep while
+    demo-*     the GRPO demo on CUDA, one rank per GPU (2 at most): FSDP2 (engine asleep while
                training, every sync verified), then DeepSpeed ZeRO-2
     strategy   pytest -m gpu on lightrft-strategy (FSDP2 and DeepSpeed on CUDA)
     engines-hf the Hugging Face engine's GPU tests (lightrft-engines)
@@ -171,7 +171,8 @@ def check(wheels: Path, out: Path, site: Path, only: list[str]) -> int:
     strategy_dir = ROOT / "packages" / "lightrft-strategy"
     engines_dir = ROOT / "packages" / "lightrft-engines"
     pytest = [sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider", "-rfE"]
-    demo = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={max(gpus, 1)}",
+    ranks = min(max(gpus, 1), 2)  # the demo's batch splits over 1 or 2 ranks
+    demo = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={ranks}",
             str(ROOT / "examples" / "grpo.py"), "--device", "cuda"]  # fmt: skip
     runs = site.parent / "lightrft-gpu-runs"  # the demos' run directories (checkpoints)
     # name: (command, folder, time limit in seconds)

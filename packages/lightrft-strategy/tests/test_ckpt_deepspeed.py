@@ -79,6 +79,10 @@ def test_deepspeed_mixed_precision_wrappers_are_read(
         assert torch.equal(contents.weights[name], tensors["fp32"]), name
         for key in ("exp_avg", "exp_avg_sq"):
             assert torch.equal(contents.optimizer.state[name][key], tensors[key]), (name, key)
+    tied = contents.info.metadata["model"]["tied"]
+    assert tied, "the tiny model ties its embeddings: the alias must be checked"
+    for alias, source in tied.items():  # the master, not the module's bf16 alias
+        assert torch.equal(contents.weights[alias], held[source]["fp32"]), alias
     run_cli("ckpt", "export", save_dir, "--to", "hf", tmp_path / "hf", "--no-progress")
     exported = hf_weights(tmp_path / "hf")
     for name, tensors in held.items():

@@ -126,6 +126,27 @@ def test_sleep_levels_follow_config_and_stale_weights_are_refused() -> None:
     assert woken[-1] is None and not engine.state.asleep and len(engine.syncs) == 1
 
 
+def test_an_interrupted_call_leaves_the_engine_asleep_not_half_awake() -> None:
+    strategy = _single(enable_engine_sleep=True, engine_sleep_level=1)
+    model = workers.TinyRegressor()
+    names = [n for n, _ in model.named_parameters()]
+    engine = strategy.setup_inference_engine(FakeEngine(vocab_size=16, expected_weights=names))
+    strategy.update_engine_weights(model)
+    assert strategy.maybe_sleep_inference_engine() and len(engine.syncs) == 1
+    # FakeEngine finds a missing name at the end of the sync: the weights were woken for
+    # it, the KV cache not yet
+    with pytest.raises(EngineError, match="missing"):
+        strategy.update_engine_weights(model, name_map=lambda n: None if "head" in n else n)
+    assert engine.state.weights_awake and not engine.state.kv_awake
+    assert strategy.maybe_sleep_inference_engine() is True  # woken whole, then asleep
+    assert not engine.state.weights_awake and not engine.state.kv_awake
+    # a refused prompt: the engine goes back to sleep all the same
+    with pytest.raises(PromptError):
+        strategy.gather_and_generate([[99]], sleep_engine=True)
+    assert not engine.state.weights_awake and not engine.state.kv_awake
+    assert len(engine.syncs) == 1
+
+
 def test_sleep_calls_do_nothing_when_sleep_is_disabled() -> None:
     strategy = _single()
     engine = strategy.setup_inference_engine(FakeEngine())

@@ -170,9 +170,6 @@ class InferenceEngineCalls:
         engine = self._require_engine("update_engine_weights")
         if bucket_bytes < 1:
             raise ValueError(f"bucket_bytes={bucket_bytes} must be >= 1")
-        # a sleeping engine is woken as upstream's update_engine_weights does, in the order
-        # a level-2 sleep needs: the weights, the sync, then the KV cache
-        self.wakeup_inference_engine(["weights"])
         shapes = getattr(engine, "weight_shapes", None)
         expected = shapes() if callable(shapes) else None  # None: the engine cannot tell
         if expected is not None:
@@ -182,6 +179,9 @@ class InferenceEngineCalls:
                 if target is not None:
                     sent[target] = _full_shape(param)
             _protocol().check_weight_shapes(expected, sent)
+        # a sleeping engine is woken as upstream's update_engine_weights does, in the order
+        # a level-2 sleep needs: the weights, the sync, then the KV cache
+        self._wake(["weights"], blind=False)
         bucket: list[tuple[str, torch.Tensor]] = []
         size = tensors = buckets = total = 0
         load_s = 0.0
@@ -215,7 +215,7 @@ class InferenceEngineCalls:
         t0 = time.perf_counter()
         engine.finish_weight_update()
         load_s += time.perf_counter() - t0
-        self.wakeup_inference_engine(["kv_cache"])
+        self._wake(["kv_cache"], blind=False)
         stats: dict[str, Any] = {
             "tensors": tensors,
             "buckets": buckets,
@@ -329,11 +329,12 @@ class InferenceEngineCalls:
             or (prompts is not None and not _looks_like_prompts(prompts))
         )
         if not upstream:
-            self.wakeup_inference_engine()
-            outputs = self._gather_generate(prompts or [], sampling)
-            if sleep_engine:
-                self.maybe_sleep_inference_engine()
-            return outputs
+            self._wake(None, blind=False)
+            try:
+                return self._gather_generate(prompts or [], sampling)
+            finally:  # a refused prompt too: the trainer gets the memory back
+                if sleep_engine:
+                    self.maybe_sleep_inference_engine()
         sampling_params = prompts
         if all_prompt_token_ids is None and all_prompts is None and sampling is not None:
             all_prompt_token_ids = sampling  # upstream's second positional argument
@@ -365,10 +366,11 @@ class InferenceEngineCalls:
             inputs = [{"prompt": text} for text in all_prompts or []]
         if refused is None:
             self.wakeup_inference_engine()
-        outputs = self._gather_generate(inputs, sampling_params, refused=refused)
-        if sleep_engine is not False:
-            self.maybe_sleep_inference_engine()
-        return outputs
+        try:
+            return self._gather_generate(inputs, sampling_params, refused=refused)
+        finally:
+            if sleep_engine is not False:
+                self.maybe_sleep_inference_engine()
 
     def engine_generate_local(
         self,
@@ -456,13 +458,17 @@ class InferenceEngineCalls:
 
     def maybe_sleep_inference_engine(self) -> bool:
         """Put the engine to sleep at ``engine_sleep_level`` when ``enable_engine_sleep``
-        is set; returns whether it slept."""
+        is set; returns whether it slept. A half-awake engine (a sync or generation was
+        interrupted between its wake-ups) is woken whole first, then put to sleep."""
         level = self.config.sleep_level
         engine = self.inference_engine
         if level is None or engine is None:
             return False
         if getattr(getattr(engine, "state", None), "asleep", False):
-            return False  # already asleep (upstream's gather_and_generate sleeps after)
+            asleep = self._sleeping(None)
+            if asleep is None or len(asleep) == len(_WAKE_TAGS):
+                return False  # already asleep (upstream's gather_and_generate sleeps after)
+            engine.wake_up(asleep)
         if not engine.supports_sleep:
             if not getattr(self, "_warned_no_sleep", False):
                 logger.warning(
@@ -477,19 +483,40 @@ class InferenceEngineCalls:
 
     def wakeup_inference_engine(self, tags: Sequence[str] | None = None) -> None:
         """Wake the engine (``tags``: ``"weights"``, ``"kv_cache"``; None: both) when
-        ``enable_engine_sleep`` is set."""
+        ``enable_engine_sleep`` is set: what its ``state`` says sleeps, or, for an engine
+        that keeps no :class:`lightrft.engines.SleepState`, what is asked."""
+        self._wake(tags, blind=True)
+
+    def _sleeping(self, tags: Sequence[str] | None) -> list[str] | None:
+        """Which of ``tags`` (None: all) the engine's SleepState says sleep, in wake-up
+        order (an unknown tag is kept, for the engine to refuse); None when the engine
+        keeps no such state."""
+        state = getattr(self.inference_engine, "state", None)
+        awake = {
+            "weights": getattr(state, "weights_awake", None),
+            "kv_cache": getattr(state, "kv_awake", None),
+        }
+        if None in awake.values():
+            return None
+        return [t for t in (_WAKE_TAGS if tags is None else tags) if awake.get(t) is not True]
+
+    def _wake(self, tags: Sequence[str] | None, *, blind: bool) -> None:
+        """Wake what sleeps of ``tags`` when sleep is enabled. ``blind``: an engine that
+        keeps no SleepState gets the call as asked (the explicit call); otherwise such
+        an engine is left alone (the engine calls' own wake-ups)."""
         engine = self.inference_engine
         if self.config.sleep_level is None or engine is None or not engine.supports_sleep:
             return
-        state = getattr(engine, "state", None)
-        if state is not None:  # wake only what sleeps (the protocol's SleepState)
-            awake = {"weights": state.weights_awake, "kv_cache": state.kv_awake}
-            asleep = [t for t in (tags if tags is not None else awake) if not awake.get(t, False)]
-            if not asleep:
-                return
-            if tags is not None or len(asleep) < len(awake):
-                tags = asleep
-        engine.wake_up(tags)
+        asleep = self._sleeping(tags)
+        if asleep is None:
+            if blind:
+                engine.wake_up(tags)
+            return
+        if asleep:  # every tag at once as None, the adapters' own full wake-up
+            engine.wake_up(None if tags is None and len(asleep) == len(_WAKE_TAGS) else asleep)
+
+
+_WAKE_TAGS = ("weights", "kv_cache")  # lightrft.engines.protocol.WAKE_TAGS, in wake-up order
 
 
 def _more_media(kwargs: Mapping[str, Any]) -> dict[str, tuple[Any, Any]]:

@@ -230,10 +230,13 @@ class _Reader:
         optimizers) or one flat tensor per group (``fp32_groups_flat``: the fused one,
         around DeepSpeed's FusedAdam on CUDA), parameters in group order, unpadded."""
         if group_names is None:
+            if not optimizer:
+                return  # the weights are the module's (bf16/fp16) copies
             raise CheckpointError(
                 f"{self.tag_dir} is a ZeRO stage 0 checkpoint in mixed precision whose "
-                "optimizer groups are not named in its metadata (saved before "
-                "lightrft-strategy 0.3): its fp32 master weights cannot be told apart. Resume "
+                "metadata does not name the optimizer's groups (an earlier lightrft-strategy "
+                "saved it): its fp32 master weights and Adam state cannot be told apart. "
+                "Convert it with --drop optimizer (the module's bf16/fp16 weights), or resume "
                 "it with this release and save again"
             )
         base = wrapper["optimizer_state_dict"]
@@ -254,7 +257,7 @@ class _Reader:
                         f"weights, the metadata names {len(names)}"
                     )
                 for name, master, state in zip(names, masters, states, strict=True):
-                    self.weights[name] = master
+                    self.weights[name] = master.detach()
                     if optimizer:
                         for key in MOMENTS:
                             if key in state:
@@ -267,7 +270,12 @@ class _Reader:
                         "fp32_groups nor fp32_groups_flat; a DeepSpeed release this command "
                         "does not know wrote it"
                     )
-                flat = flats[g]
+                flat = flats[g].detach()
+                if len(group["params"]) != 1:
+                    raise CheckpointError(
+                        f"{self.tag_dir}: optimizer group {g} of DeepSpeed's fused wrapper "
+                        f"holds {len(group['params'])} tensors, not one flat tensor"
+                    )
                 (pid,) = group["params"]
                 state = base["state"].get(pid, {})
                 shapes = [tuple(self.shapes[name]) for name in names]
@@ -357,7 +365,12 @@ def _read_deepspeed(
         name = str(entry[0])
         if name not in reader.weights and name in module and module[name].numel():
             reader.weights[name] = module[name]
-    for alias, source in (model.get("shared_params") or {}).items():
+    # a tied name holds its source's value (at ZeRO-0 in mixed precision the module's
+    # alias is the bf16/fp16 copy, the source the fp32 master; DeepSpeed records
+    # shared_params only at stages 1-3)
+    tied = dict(model.get("shared_params") or {})
+    tied.update((info.metadata.get("model") or {}).get("tied") or {})
+    for alias, source in tied.items():
         if source in reader.weights:
             reader.weights[alias] = reader.weights[source]
     contents = CheckpointContents(info, reader.weights)

@@ -461,17 +461,21 @@ class DeepspeedStrategy(StrategyBase):
             and model.optimizer is not None
         )
         rank0 = self.is_rank_0()
-        # ZeRO-0 in bf16/fp16 keeps its masters in an unfused optimizer's fp32 groups,
-        # which DeepSpeed's safe_get_full_fp32_param does not know
+        # ZeRO-0 in bf16/fp16 keeps its masters in DeepSpeed's FP16 wrapper, which
+        # DeepSpeed's safe_get_full_fp32_param does not know: per parameter (unfused,
+        # fp32_groups) or one flat tensor per group (fused, fp32_groups_flat)
         unfused: dict[int, torch.Tensor] = {}
         if masters:
             optimizer = getattr(model, "optimizer", None)
-            for low, high in zip(
-                getattr(optimizer, "fp16_groups", []),
-                getattr(optimizer, "fp32_groups", []),
-                strict=False,
-            ):
+            low_groups = getattr(optimizer, "fp16_groups", [])
+            for low, high in zip(low_groups, getattr(optimizer, "fp32_groups", []), strict=False):
                 unfused.update({id(p): q for p, q in zip(low, high, strict=False)})
+            flats = getattr(optimizer, "fp32_groups_flat", [])
+            for low, flat in zip(low_groups, flats, strict=False):
+                offset = 0
+                for p in low:
+                    unfused[id(p)] = flat.narrow(0, offset, p.numel()).view(p.shape)
+                    offset += p.numel()
         out: dict[str, torch.Tensor] = {}
         first_name: dict[int, str] = {}
         for name, tensor in module.state_dict(keep_vars=True).items():
