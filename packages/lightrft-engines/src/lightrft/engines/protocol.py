@@ -14,7 +14,8 @@ Besides the required members of :class:`InferenceEngine`, an engine may offer (t
 strategy uses them when present): ``vocab_size`` and ``max_model_len`` (prompts are
 checked against them before any rank generates), ``weight_shapes()`` (name -> shape of
 every parameter a sync must send: names and shapes are checked before the first
-bucket), and ``weight_version`` (finished syncs).
+bucket), ``weight_version`` (finished syncs), and ``state`` (its :class:`SleepState`:
+the strategy's engine calls then wake a sleeping engine themselves, only what sleeps).
 """
 
 from __future__ import annotations
