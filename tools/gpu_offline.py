@@ -14,11 +14,12 @@ DeepSpeed and hjson), for CPython 3.12 on x86-64 Linux (``--python-version``).
 
 check installs DIR's wheels without dependencies into a folder on PYTHONPATH (the
 machine's torch, transformers and pytest are used as they are), prints the environment,
-then runs each step below, its output in OUT/<step>.log:
+then runs each step below, its output in OUT/<step>.log (the demos' metrics, every
+row naming its run, in OUT/demo-metrics.jsonl):
 
     doctor     `lightrft doctor`
     demo-*     the GRPO demo on CUDA, one rank per GPU (2 at most): FSDP2 (engine asleep while
-               training, every sync verified), then DeepSpeed ZeRO-2
+               training, every sync verified), then DeepSpeed ZeRO-2 and ZeRO-3
     strategy   pytest -m gpu on lightrft-strategy (FSDP2 and DeepSpeed on CUDA)
     engines-hf the Hugging Face engine's GPU tests (lightrft-engines)
     engines    pytest -m "gpu and vllm|sglang" on lightrft-engines, for each of vLLM
@@ -189,19 +190,22 @@ def check(wheels: Path, out: Path, site: Path, only: list[str]) -> int:
             ROOT,
             300,
         ),
-        "demo-zero2": (
-            [
-                *demo,
-                "--backend",
-                "deepspeed",
-                "--zero_stage",
-                "2",
-                "--out",
-                str(runs / "demo-zero2"),
-            ],
-            ROOT,
-            300,
-        ),
+        **{
+            f"demo-zero{stage}": (
+                [
+                    *demo,
+                    "--backend",
+                    "deepspeed",
+                    "--zero_stage",
+                    str(stage),
+                    "--out",
+                    str(runs / f"demo-zero{stage}"),
+                ],
+                ROOT,
+                300,
+            )
+            for stage in (2, 3)
+        },
         "strategy": ([*pytest, "--durations=0", "-m", "gpu"], strategy_dir, 1200),
         "engines-hf": ([*pytest, "-m", "gpu and not vllm and not sglang"], engines_dir, 600),
     }
@@ -219,8 +223,10 @@ def check(wheels: Path, out: Path, site: Path, only: list[str]) -> int:
             continue
         rows.append(run_step(name, cmd, out, env, cwd, timeout=limit))
         metrics = runs / name / "metrics.jsonl"
-        if metrics.is_file():
-            shutil.copy(metrics, out / f"{name}-metrics.jsonl")
+        if metrics.is_file():  # every demo's rows in one file, each naming its run
+            with (out / "demo-metrics.jsonl").open("a") as fh:
+                for line in metrics.read_text().splitlines():
+                    fh.write(f'{{"run": "{name}", {line.lstrip()[1:]}\n')
     print("\n=== summary\n" + "\n".join(rows))
     return 0 if all(" passed " in r for r in rows) else 1
 
@@ -246,8 +252,8 @@ def main(argv: list[str]) -> int:
         "--only",
         nargs="*",
         default=[],
-        help="run only these steps (doctor, demo-fsdp2, demo-zero2, strategy, engines-hf, "
-        "engines-vllm, engines-sglang)",
+        help="run only these steps (doctor, demo-fsdp2, demo-zero2, demo-zero3, strategy, "
+        "engines-hf, engines-vllm, engines-sglang)",
     )
     args = parser.parse_args(argv)
     if args.command == "bundle":
