@@ -127,7 +127,7 @@ def train(config: StrategyConfig, opts: argparse.Namespace) -> dict[str, Any]:
     vocab, prompt_len = MODEL["vocab_size"], opts.prompt_len
     history: list[dict[str, Any]] = []
     last: Path | None = None
-    last_step = min(opts.steps, opts.stop_after or opts.steps)
+    last_step = opts.stop_after or opts.steps  # parse() keeps it within --steps
     for step in range(first, last_step + 1):
         gen = torch.Generator().manual_seed(config.seed * 100_003 + step * 1_009 + rank)
         prompts = torch.randint(0, vocab, (prompts_per_rank, prompt_len), generator=gen)

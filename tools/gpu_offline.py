@@ -31,6 +31,7 @@ It exits 1 if any step failed; a summary table ends the output.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import shutil
@@ -226,7 +227,7 @@ def check(wheels: Path, out: Path, site: Path, only: list[str]) -> int:
         if metrics.is_file():  # every demo's rows in one file, each naming its run
             with (out / "demo-metrics.jsonl").open("a") as fh:
                 for line in metrics.read_text().splitlines():
-                    fh.write(f'{{"run": "{name}", {line.lstrip()[1:]}\n')
+                    fh.write(json.dumps({"run": name, **json.loads(line)}) + "\n")
     print("\n=== summary\n" + "\n".join(rows))
     return 0 if all(" passed " in r for r in rows) else 1
 

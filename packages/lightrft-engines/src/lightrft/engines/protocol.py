@@ -295,6 +295,11 @@ class SleepState:
     def asleep(self) -> bool:
         return not (self.weights_awake and self.kv_awake)
 
+    def asleep_tags(self) -> list[str]:
+        """The wake-up tags of what sleeps, in wake-up order."""
+        awake = (self.weights_awake, self.kv_awake)
+        return [tag for tag, up in zip(WAKE_TAGS, awake, strict=True) if not up]
+
     def sleep(self, level: int) -> None:
         if not self.supports_sleep:
             raise EngineError("this engine does not support sleep (supports_sleep is False)")
@@ -330,12 +335,8 @@ class SleepState:
 
     def check_generate(self) -> None:
         if self.asleep:
-            asleep = [
-                t
-                for t, awake in zip(WAKE_TAGS, (self.weights_awake, self.kv_awake), strict=True)
-                if not awake
-            ]
-            raise EngineError(f"generate while {', '.join(asleep)} asleep; call wake_up() first")
+            asleep = ", ".join(self.asleep_tags())
+            raise EngineError(f"generate while {asleep} asleep; call wake_up() first")
         if self.weights_stale:
             raise EngineError(
                 "generate with stale weights: a level-2 sleep discarded them; send the "

@@ -466,7 +466,7 @@ class InferenceEngineCalls:
             return False
         if getattr(getattr(engine, "state", None), "asleep", False):
             asleep = self._sleeping(None)
-            if asleep is None or len(asleep) == len(_WAKE_TAGS):
+            if asleep is None or len(asleep) == len(_protocol().WAKE_TAGS):
                 return False  # already asleep (upstream's gather_and_generate sleeps after)
             engine.wake_up(asleep)
         if not engine.supports_sleep:
@@ -491,14 +491,14 @@ class InferenceEngineCalls:
         """Which of ``tags`` (None: all) the engine's SleepState says sleep, in wake-up
         order (an unknown tag is kept, for the engine to refuse); None when the engine
         keeps no such state."""
-        state = getattr(self.inference_engine, "state", None)
-        awake = {
-            "weights": getattr(state, "weights_awake", None),
-            "kv_cache": getattr(state, "kv_awake", None),
-        }
-        if None in awake.values():
+        asleep_tags = getattr(getattr(self.inference_engine, "state", None), "asleep_tags", None)
+        if not callable(asleep_tags):
             return None
-        return [t for t in (_WAKE_TAGS if tags is None else tags) if awake.get(t) is not True]
+        asleep: list[str] = asleep_tags()
+        if tags is None:
+            return asleep
+        known = _protocol().WAKE_TAGS
+        return [t for t in tags if t in asleep or t not in known]
 
     def _wake(self, tags: Sequence[str] | None, *, blind: bool) -> None:
         """Wake what sleeps of ``tags`` when sleep is enabled. ``blind``: an engine that
@@ -513,10 +513,8 @@ class InferenceEngineCalls:
                 engine.wake_up(tags)
             return
         if asleep:  # every tag at once as None, the adapters' own full wake-up
-            engine.wake_up(None if tags is None and len(asleep) == len(_WAKE_TAGS) else asleep)
-
-
-_WAKE_TAGS = ("weights", "kv_cache")  # lightrft.engines.protocol.WAKE_TAGS, in wake-up order
+            full = tags is None and len(asleep) == len(_protocol().WAKE_TAGS)
+            engine.wake_up(None if full else asleep)
 
 
 def _more_media(kwargs: Mapping[str, Any]) -> dict[str, tuple[Any, Any]]:
