@@ -95,6 +95,13 @@ class _Reader:
         else:
             self.state.setdefault(name, {})[key] = tensor
 
+    def put_state(self, name: str, state: Mapping[str, Any]) -> None:
+        """One parameter's Adam state as torch keeps it (moments shaped as it is)."""
+        for key in MOMENTS:
+            if key in state:
+                self.put(name, key, state[key].clone())
+        self.put_step(name, state.get("step"))
+
     def put_step(self, name: str, step: Any) -> None:
         if step is not None:
             value = step.detach().clone() if torch.is_tensor(step) else torch.tensor(float(step))
@@ -214,11 +221,7 @@ class _Reader:
                     f"the metadata names {len(names)}"
                 )
             for pid, name in zip(group["params"], names, strict=True):
-                state = torch_state["state"].get(pid, {})
-                for key in MOMENTS:
-                    if key in state:
-                        self.put(name, key, state[key].clone())
-                self.put_step(name, state.get("step"))
+                self.put_state(name, torch_state["state"].get(pid, {}))
             self.groups.append({**_hyperparameters(group), "params": list(names)})
 
     def zero0_mixed(
@@ -249,55 +252,62 @@ class _Reader:
             )
         for g, (group, names) in enumerate(zip(base["param_groups"], group_names, strict=True)):
             if per_param is not None:
-                masters = list(per_param[g])
+                masters = [m.detach() for m in per_param[g]]
                 states = [base["state"].get(pid, {}) for pid in group["params"]]
-                if not len(masters) == len(states) == len(names):
-                    raise CheckpointError(
-                        f"{self.tag_dir}: optimizer group {g} holds {len(masters)} master "
-                        f"weights, the metadata names {len(names)}"
-                    )
-                for name, master, state in zip(names, masters, states, strict=True):
-                    self.weights[name] = master.detach()
-                    if optimizer:
-                        for key in MOMENTS:
-                            if key in state:
-                                self.put(name, key, state[key].clone())
-                        self.put_step(name, state.get("step"))
             else:
-                if flats is None:
-                    raise CheckpointError(
-                        f"{self.tag_dir}: DeepSpeed's optimizer wrapper holds neither "
-                        "fp32_groups nor fp32_groups_flat; a DeepSpeed release this command "
-                        "does not know wrote it"
-                    )
-                flat = flats[g].detach()
-                if len(group["params"]) != 1:
-                    raise CheckpointError(
-                        f"{self.tag_dir}: optimizer group {g} of DeepSpeed's fused wrapper "
-                        f"holds {len(group['params'])} tensors, not one flat tensor"
-                    )
-                (pid,) = group["params"]
-                state = base["state"].get(pid, {})
-                shapes = [tuple(self.shapes[name]) for name in names]
-                needed = sum(math.prod(shape) for shape in shapes)
-                if needed != flat.numel():
-                    raise CheckpointError(
-                        f"{self.tag_dir}: optimizer group {g} holds {flat.numel()} values, its "
-                        f"recorded parameters {needed}; the files do not belong together"
-                    )
-                offset = 0
-                for name, shape in zip(names, shapes, strict=True):
-                    numel = math.prod(shape)
-                    self.weights[name] = flat.narrow(0, offset, numel).view(shape).clone()
-                    if optimizer:
-                        for key in MOMENTS:
-                            if key in state:
-                                moment = state[key].reshape(-1).narrow(0, offset, numel)
-                                self.put(name, key, moment.view(shape).clone())
-                        self.put_step(name, state.get("step"))
-                    offset += numel
+                masters, states = self._split_flat(g, flats, group, base["state"], names)
+            if not len(masters) == len(states) == len(names):
+                raise CheckpointError(
+                    f"{self.tag_dir}: optimizer group {g} holds {len(masters)} master "
+                    f"weights, the metadata names {len(names)}"
+                )
+            for name, master, state in zip(names, masters, states, strict=True):
+                self.weights[name] = master
+                if optimizer:
+                    self.put_state(name, state)
             if optimizer:
                 self.groups.append({**_hyperparameters(group), "params": list(names)})
+
+    def _split_flat(
+        self,
+        g: int,
+        flats: list[torch.Tensor] | None,
+        group: dict[str, Any],
+        torch_state: dict[Any, Any],
+        names: list[str],
+    ) -> tuple[list[torch.Tensor], list[dict[str, Any]]]:
+        """The fused wrapper's group ``g``: one flat fp32 tensor (and flat moments), cut
+        into the recorded parameters' shapes."""
+        if flats is None:
+            raise CheckpointError(
+                f"{self.tag_dir}: DeepSpeed's optimizer wrapper holds neither fp32_groups nor "
+                "fp32_groups_flat; a DeepSpeed release this command does not know wrote it"
+            )
+        if len(group["params"]) != 1:
+            raise CheckpointError(
+                f"{self.tag_dir}: optimizer group {g} of DeepSpeed's fused wrapper holds "
+                f"{len(group['params'])} tensors, not one flat tensor"
+            )
+        flat, state = flats[g].detach(), torch_state.get(group["params"][0], {})
+        shapes = [tuple(self.shapes[name]) for name in names]
+        if sum(math.prod(shape) for shape in shapes) != flat.numel():
+            raise CheckpointError(
+                f"{self.tag_dir}: optimizer group {g} holds {flat.numel()} values, its "
+                f"recorded parameters {sum(math.prod(x) for x in shapes)}; the files do not "
+                "belong together"
+            )
+        masters, states, offset = [], [], 0
+        for shape in shapes:
+            numel = math.prod(shape)
+            flats_of = {"fp32": flat, **{k: state[k] for k in MOMENTS if k in state}}
+            cut = {
+                k: t.reshape(-1).narrow(0, offset, numel).view(shape).clone()
+                for k, t in flats_of.items()
+            }
+            masters.append(cut.pop("fp32"))
+            states.append({**cut, "step": state.get("step")})
+            offset += numel
+        return masters, states
 
 
 def read_deepspeed(
