@@ -64,6 +64,34 @@ def _is_partitioned(param: torch.Tensor) -> bool:
     return hasattr(param, "ds_id")
 
 
+# DeepSpeed's FP16 optimizer wrappers (ZeRO-0 in bf16/fp16) keep fp32 master copies of
+# the model's 16-bit parameters (``fp16_groups``): one per parameter (unfused,
+# ``fp32_groups``) or one flat tensor per group (fused, ``fp32_groups_flat``). The
+# optimizer steps those copies; DeepSpeed's safe_get_full_fp32_param does not know them.
+def _fp16_wrapper_groups(wrapper: Any) -> list[list[torch.Tensor]] | None:
+    """The model's parameters, grouped as the wrapper's optimizer groups; None when
+    ``wrapper`` is not an FP16 wrapper."""
+    if not (hasattr(wrapper, "fp32_groups") or hasattr(wrapper, "fp32_groups_flat")):
+        return None
+    low = getattr(wrapper, "fp16_groups", None)
+    return None if low is None else [list(group) for group in low]
+
+
+def _fp16_wrapper_masters(wrapper: Any) -> dict[int, torch.Tensor]:
+    """``id(model parameter)`` -> its fp32 master (a view into the wrapper's live
+    tensor), for an FP16 wrapper; empty for anything else."""
+    groups = _fp16_wrapper_groups(wrapper) or []
+    masters: dict[int, torch.Tensor] = {}
+    for low, high in zip(groups, getattr(wrapper, "fp32_groups", []), strict=False):
+        masters.update({id(p): q for p, q in zip(low, high, strict=False)})
+    for low, flat in zip(groups, getattr(wrapper, "fp32_groups_flat", []), strict=False):
+        offset = 0
+        for p in low:
+            masters[id(p)] = flat.narrow(0, offset, p.numel()).view(p.shape)
+            offset += p.numel()
+    return masters
+
+
 class DeepspeedStrategy(StrategyBase):
     """Wraps models in DeepSpeed engines: ZeRO stage ``zero_stage`` for training,
     stage 3 (or 0) evaluation engines for reference/reward/EMA models.
@@ -462,20 +490,8 @@ class DeepspeedStrategy(StrategyBase):
         )
         rank0 = self.is_rank_0()
         # ZeRO-0 in bf16/fp16 keeps its masters in DeepSpeed's FP16 wrapper, which
-        # DeepSpeed's safe_get_full_fp32_param does not know: per parameter (unfused,
-        # fp32_groups) or one flat tensor per group (fused, fp32_groups_flat)
-        unfused: dict[int, torch.Tensor] = {}
-        if masters:
-            optimizer = getattr(model, "optimizer", None)
-            low_groups = getattr(optimizer, "fp16_groups", [])
-            for low, high in zip(low_groups, getattr(optimizer, "fp32_groups", []), strict=False):
-                unfused.update({id(p): q for p, q in zip(low, high, strict=False)})
-            flats = getattr(optimizer, "fp32_groups_flat", [])
-            for low, flat in zip(low_groups, flats, strict=False):
-                offset = 0
-                for p in low:
-                    unfused[id(p)] = flat.narrow(0, offset, p.numel()).view(p.shape)
-                    offset += p.numel()
+        # DeepSpeed's safe_get_full_fp32_param does not know
+        unfused = _fp16_wrapper_masters(getattr(model, "optimizer", None)) if masters else {}
         out: dict[str, torch.Tensor] = {}
         first_name: dict[int, str] = {}
         for name, tensor in module.state_dict(keep_vars=True).items():
@@ -555,13 +571,10 @@ class DeepspeedStrategy(StrategyBase):
                         )
 
     def optimizer_param_groups(self, model: nn.Module, optimizer: Any) -> list[list[Any]] | None:
-        # ZeRO-0 in bf16/fp16: DeepSpeed's FP16 optimizer wrappers hand the optimizer fp32
-        # copies (or one flat copy per group); their fp16_groups are the model's own
-        wrapper = getattr(model, "optimizer", None)
-        if hasattr(wrapper, "fp32_groups") or hasattr(wrapper, "fp32_groups_flat"):
-            low = getattr(wrapper, "fp16_groups", None)
-            if low is not None:
-                return [list(group) for group in low]
+        # ZeRO-0 in bf16/fp16: the optimizer holds the FP16 wrapper's fp32 copies
+        low = _fp16_wrapper_groups(getattr(model, "optimizer", None))
+        if low is not None:
+            return low
         return super().optimizer_param_groups(model, optimizer)
 
     def checkpoint_info(self) -> dict[str, Any]:
