@@ -337,6 +337,12 @@ def main() -> None:
         f"  per-tensor/ours        {speedup:9.3f}x   (target >= {TARGET_PER_TENSOR_OVER_OURS:g}x: "
         f"{'met' if speedup >= TARGET_PER_TENSOR_OVER_OURS else 'NOT met'})"
     )
+    bound = per_tensor_s / floor_s
+    print(
+        f"  per-tensor/floor       {bound:9.3f}x   (per-tensor/ours with ours at the floor: "
+        f"ours would need {TARGET_PER_TENSOR_OVER_OURS / bound:.2f}x the floor's speed for "
+        f"{TARGET_PER_TENSOR_OVER_OURS:g}x)"
+    )
     timed_stats = stats[-args.rounds :]
     fastest = min(timed_stats, key=lambda s: s["gather_s"] + s["load_s"])
     print(
