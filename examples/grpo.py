@@ -5,12 +5,14 @@ reinforcement, to answer prompts with tokens from a target set (ids below
 ``--target-ids``); the reward of a completion is the fraction of its tokens in the set,
 so it starts near ``target_ids / vocab`` and can reach 1. Each step:
 
-1. every rank draws its prompts (seeded by step and rank) and the engine generates
+1. the policy's current weights go to the engine (``strategy.update_engine_weights``;
+   syncing before generating, not after training, also serves an engine whose
+   level-2 sleep discarded its weights);
+2. every rank draws its prompts (seeded by step and rank) and the engine generates
    ``n_samples_per_prompt`` completions per prompt (``strategy.gather_and_generate``);
-2. advantages are the rewards normalised within each prompt's group (GRPO);
-3. the policy-gradient loss plus ``--kl-coef`` times a KL estimate to the frozen
-   reference model is backpropagated (``strategy.backward`` / ``optimizer_step``);
-4. the new weights go to the engine (``strategy.update_engine_weights``).
+3. advantages are the rewards normalised within each prompt's group (GRPO);
+4. the policy-gradient loss plus ``--kl-coef`` times a KL estimate to the frozen
+   reference model is backpropagated (``strategy.backward`` / ``optimizer_step``).
 
 Only the public API is used, so the same file runs on every strategy and engine the
 configuration selects (``--backend fsdp2|deepspeed|fake``, ``--zero_stage``,
@@ -118,7 +120,6 @@ def train(config: StrategyConfig, opts: argparse.Namespace) -> dict[str, Any]:
                 "spans %s steps, so (unless it is constant) the steps after %s differ from "
                 "either uninterrupted run", client["steps"], opts.steps, opts.steps, first - 1,
             )  # fmt: skip
-        strategy.update_engine_weights(actor)  # the engine still has the initial weights
         if rank == 0:  # forget steps after the checkpoint
             kept = metrics_file.read_text().splitlines()[: first - 1]
             metrics_file.write_text("".join(line + "\n" for line in kept))
@@ -135,9 +136,10 @@ def train(config: StrategyConfig, opts: argparse.Namespace) -> dict[str, Any]:
             max_new_tokens=opts.new_tokens, temperature=1.0, n=group,
             seed=config.seed * 100_003 + step,
         )  # fmt: skip
+        # with enable_engine_sleep the engine sleeps while the trainer trains (its memory
+        # freed): the sync wakes it (weights, then KV cache), generation sleeps it again
+        sync = strategy.update_engine_weights(actor)
         t0 = time.perf_counter()
-        # with enable_engine_sleep, the engine sleeps while the trainer trains (its
-        # memory freed); update_engine_weights wakes it
         outputs = strategy.gather_and_generate(prompts.tolist(), sampling, sleep_engine=True)
         generate_s = time.perf_counter() - t0
         completions = torch.tensor([o.output_token_ids for o in outputs])
@@ -163,7 +165,6 @@ def train(config: StrategyConfig, opts: argparse.Namespace) -> dict[str, Any]:
             losses.append(float(loss.detach()))
             kls.append(float(kl.detach()))
         train_s = time.perf_counter() - t0
-        sync = strategy.update_engine_weights(actor)
         row = {
             "step": step,
             "reward_mean": float(strategy.all_reduce(rewards.mean())),

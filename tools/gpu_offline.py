@@ -44,8 +44,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ["lightrft-config", "lightrft-strategy", "lightrft-engines", "lightrft-testing"]
 # what a PyTorch+CUDA image lacks of our dependencies (the rest: torch, transformers,
-# click, pyyaml, safetensors, numpy, pytest, pytest-timeout, DeepSpeed's einops, msgpack,
-# ninja, psutil, py-cpuinfo, tqdm, are taken from the machine)
+# click, pyyaml, safetensors, numpy, pytest, DeepSpeed's einops, msgpack, ninja, psutil,
+# py-cpuinfo, tqdm, are taken from the machine); pytest-timeout too, which the H200's
+# image had, since without it the tests' timeout marks fail collection (--strict-markers)
 CARRIED = [
     "pydantic",
     "pydantic-core",
@@ -53,6 +54,7 @@ CARRIED = [
     "typing-inspection",
     "hjson",
     "deepspeed",
+    "pytest-timeout",
 ]
 SOURCE_ONLY = {"deepspeed"}  # published as an sdist only: built into a wheel here
 
@@ -146,11 +148,19 @@ def check(wheels: Path, out: Path, site: Path, only: list[str]) -> int:
         raise SystemExit(
             f"gpu_offline: no wheels in {wheels}: run `gpu_offline.py bundle {wheels}` first"
         )
-    subprocess.run(
+    installed = subprocess.run(
         [sys.executable, "-m", "pip", "install", "--quiet", "--no-index", "--no-deps",
          "--no-compile", "--no-cache-dir", "--upgrade", "--target", str(site), *found],
-        check=True,
+        check=False,
     )  # fmt: skip
+    if installed.returncode:
+        here = f"{sys.version_info.major}.{sys.version_info.minor}"
+        raise SystemExit(
+            f"gpu_offline: pip could not install the wheels in {wheels} (above). If it "
+            f"rejected a wheel as unsupported, they were bundled for another Python: "
+            f"this one is {here}; run `gpu_offline.py bundle {wheels} --python-version "
+            f"{here}` where a registry is reachable"
+        )
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(site), env.get("PYTHONPATH")]))
     env["PATH"] = os.pathsep.join([str(site / "bin"), env.get("PATH", "")])
@@ -218,6 +228,11 @@ def check(wheels: Path, out: Path, site: Path, only: list[str]) -> int:
             steps[f"engines-{engine}"] = ([*pytest, "-m", f"gpu and {engine}"], engines_dir, 1200)
         else:
             print(f"gpu_offline: {engine} does not import here: its GPU tests are NOT run")
+    unknown = sorted(set(only) - set(steps))
+    if unknown:
+        print(f"gpu_offline: --only {' '.join(unknown)}: no such step here; steps: "
+              f"{', '.join(steps)}")  # fmt: skip
+        return 2
     rows = []
     for name, (cmd, cwd, limit) in steps.items():
         if only and name not in only:
@@ -229,7 +244,7 @@ def check(wheels: Path, out: Path, site: Path, only: list[str]) -> int:
                 for line in metrics.read_text().splitlines():
                     fh.write(json.dumps({"run": name, **json.loads(line)}) + "\n")
     print("\n=== summary\n" + "\n".join(rows))
-    return 0 if all(" passed " in r for r in rows) else 1
+    return 0 if rows and all(" passed " in r for r in rows) else 1
 
 
 def main(argv: list[str]) -> int:

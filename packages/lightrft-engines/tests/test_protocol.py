@@ -3,6 +3,8 @@ machine every adapter enforces the same way."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from lightrft.engines import (
@@ -81,6 +83,48 @@ def test_level2_sleep_makes_weights_stale_until_synced() -> None:
         state.check_generate()
     state.weights_synced()
     state.check_generate()
+
+
+def test_a_sync_applied_in_part_refuses_generation_until_one_finishes() -> None:
+    state = SleepState()
+    state.weights_changing()  # an adapter applied the first layers of a sync
+    with pytest.raises(
+        EngineError, match="stale weights: a sync replaced some of them and did not finish"
+    ):
+        state.check_generate()
+    state.weights_synced()
+    state.check_generate()
+    # a level-2 sleep's reason is kept when a sync then applies part of the weights
+    state.sleep(2)
+    state.wake_up(["weights"])
+    state.weights_changing()
+    state.wake_up(["kv_cache"])
+    with pytest.raises(EngineError, match="a level-2 sleep discarded them"):
+        state.check_generate()
+
+
+@pytest.mark.parametrize("call", ["sleep", "wake_up"])
+def test_a_failed_engine_call_puts_the_state_back(call: str) -> None:
+    """The adapters change the state, then call the engine: when the engine call raises
+    (out of memory while re-mapping, say), the state must not claim what failed."""
+    state = SleepState()
+    if call == "wake_up":
+        state.sleep(2)
+    before = dict(vars(state))
+
+    def change(engine_call: Any) -> None:  # an adapter's sleep or wake_up
+        with state.rollback_on_error():
+            state.sleep(1) if call == "sleep" else state.wake_up()
+            engine_call()
+
+    def out_of_memory() -> None:
+        raise RuntimeError("out of memory")
+
+    with pytest.raises(RuntimeError, match="out of memory"):
+        change(out_of_memory)
+    assert vars(state) == before
+    change(lambda: None)  # a call that succeeds keeps the change
+    assert state.asleep is (call == "sleep")
 
 
 @pytest.mark.parametrize(

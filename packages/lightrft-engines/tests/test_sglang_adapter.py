@@ -368,6 +368,24 @@ def test_level_2_sleep_then_wake_cannot_bring_back_old_weights(
     assert resumes == [["weights"], ["kv_cache", "cuda_graph"]]
 
 
+def test_an_interrupted_sync_refuses_generation_until_a_full_one(
+    api: SGLangAPI, tiny_model_dir: Path
+) -> None:
+    """SGLang loads each bucket as it comes: a sync that stops after some buckets (the
+    trainer's gather raised, say) leaves old and new weights mixed."""
+    side = SGLangSide(api, tiny_model_dir)
+    engine = _engine(api, side)
+    prompts = [[5, 17, 99, 3]]
+    greedy = SamplingParams(max_new_tokens=6, temperature=0)
+    state = _trained(tiny_model_dir)
+    items = [(k, state[k]) for k in _parameter_names(state)]
+    engine.update_weights(items[:3])  # no finish_weight_update
+    with pytest.raises(EngineError, match="a sync replaced some of them and did not finish"):
+        engine.generate(prompts, greedy)
+    _sync(engine, state, bucket=100)
+    assert len(engine.generate(prompts, greedy)) == 1
+
+
 def test_level_1_sleep_keeps_the_weights(api: SGLangAPI, tiny_model_dir: Path) -> None:
     side = SGLangSide(api, tiny_model_dir)
     engine = _engine(api, side, sleep_mode=True)

@@ -102,6 +102,16 @@ def _one_process_checks(model_dir: str) -> dict[str, Any]:
             errors[label] = str(exc)
     out["errors"] = errors
     out["after_errors"] = len(engine.generate(PROMPTS, greedy))
+    # a sync interrupted after vLLM reloaded a complete layer (the embedding): old and
+    # new weights are mixed, so generation is refused until a full sync
+    embed = dict(model.named_parameters())["model.embed_tokens.weight"]
+    engine.update_weights([("model.embed_tokens.weight", embed.detach() + 0.01)])
+    try:
+        engine.generate(PROMPTS, greedy)
+    except Exception as exc:
+        out["interrupted"] = f"{type(exc).__name__}: {exc}"
+    strategy.update_engine_weights(model)
+    out["after_full_sync"] = len(engine.generate(PROMPTS, greedy))
     engine.shutdown()
     return out
 
@@ -129,6 +139,12 @@ def test_vllm_equals_hf_and_transformers_and_syncs_weights(tiny_model_dir: Path)
         in (errors["long"])
     )
     assert r["after_errors"] == 3
+    assert r["interrupted"] == (
+        "EngineError: generate with stale weights: a sync replaced some of them and did "
+        "not finish; send all the weights with update_weights and finish_weight_update "
+        "(strategy.update_engine_weights) first"
+    )
+    assert r["after_full_sync"] == 3
 
 
 @pytest.mark.distributed

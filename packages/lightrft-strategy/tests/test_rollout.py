@@ -147,6 +147,72 @@ def test_an_interrupted_call_leaves_the_engine_asleep_not_half_awake() -> None:
     assert len(engine.syncs) == 1
 
 
+class _EngineWithoutState:
+    """An engine that keeps no SleepState (the protocol makes ``state`` optional): it
+    refuses, as vLLM would misbehave, to generate or load weights while asleep, or to
+    sleep twice."""
+
+    supports_sleep = True
+    generate_on_every_rank = True
+    vocab_size = 16
+
+    def __init__(self) -> None:
+        self.inner = FakeEngine(vocab_size=16)
+        self.asleep = False
+        self.calls: list[str] = []
+
+    def _awake(self, call: str) -> None:
+        self.calls.append(call)
+        if self.asleep:
+            raise EngineError(f"{call} while asleep")
+
+    def generate(self, prompts: Any, sampling: Any = None) -> Any:
+        self._awake("generate")
+        return self.inner.generate(prompts, sampling)
+
+    def update_weights(self, named_tensors: Any) -> None:
+        self._awake("update_weights")
+        self.inner.update_weights(named_tensors)
+
+    def finish_weight_update(self) -> None:
+        self._awake("finish_weight_update")
+        self.inner.finish_weight_update()
+
+    def sleep(self, level: int = 1) -> None:
+        self._awake("sleep")
+        self.asleep = True
+
+    def wake_up(self, tags: Any = None) -> None:
+        self.calls.append(f"wake_up {tags}")
+        self.asleep = False
+
+    def shutdown(self) -> None:
+        self.inner.shutdown()
+
+
+def test_an_engine_without_sleep_state_is_woken_of_what_the_strategy_slept() -> None:
+    strategy = _single(enable_engine_sleep=True, engine_sleep_level=1)
+    model = workers.TinyRegressor()
+    engine = _EngineWithoutState()
+    strategy.setup_inference_engine(engine)
+    for prompt in ([1], [2]):  # generate, then sleep; the next call wakes it first
+        assert len(strategy.gather_and_generate([prompt], sleep_engine=True)) == 1
+        assert engine.asleep
+    strategy.update_engine_weights(model)  # wakes it (weights, sync, KV cache)
+    assert not engine.asleep and len(engine.inner.syncs) == 1
+    assert engine.calls == [
+        "generate", "sleep", "wake_up None", "generate", "sleep",
+        "wake_up ['weights']", "update_weights", "finish_weight_update", "wake_up ['kv_cache']",
+    ]  # fmt: skip
+    # one the strategy did not put to sleep is left alone by the engine calls' own
+    # wake-ups; the explicit call wakes it as asked
+    engine.asleep = True
+    with pytest.raises(EngineError, match="generate while asleep"):
+        strategy.gather_and_generate([[3]])
+    strategy.wakeup_inference_engine()
+    assert not engine.asleep and len(strategy.gather_and_generate([[3]])) == 1
+
+
 def test_sleep_calls_do_nothing_when_sleep_is_disabled() -> None:
     strategy = _single()
     engine = strategy.setup_inference_engine(FakeEngine())

@@ -45,3 +45,14 @@ def test_fake_strategy_and_fake_engine_run_and_resume_exactly(tmp_path: Path) ->
     assert [r["step"] for r in full] == [r["step"] for r in resumed] == list(range(1, 7))
     for a, b in zip(full, resumed, strict=True):
         assert (a["reward_mean"], a["kl"], a["loss"]) == (b["reward_mean"], b["kl"], b["loss"])
+
+
+@pytest.mark.timeout(600)
+def test_the_demo_runs_with_a_level_2_sleeping_engine(tmp_path: Path) -> None:
+    """A level-2 sleep discards the engine's weights: the demo syncs before it generates,
+    so each generation has the weights (it failed at step 1 when it synced after
+    training)."""
+    _run("--engine_type", "fake", "--min-gain", "-1", "--steps", "3", "--out", str(tmp_path),
+         "--enable_engine_sleep", "--engine_sleep_level", "2")  # fmt: skip
+    rows = _metrics(tmp_path)
+    assert [r["weight_version"] for r in rows] == [2, 3, 4]  # setup's sync, then each step's

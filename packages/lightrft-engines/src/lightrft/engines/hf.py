@@ -286,16 +286,18 @@ class HFEngine:
     # -- sleep -------------------------------------------------------------------------
     def sleep(self, level: int = 1) -> None:
         self._check_open()
-        self.state.sleep(level)
-        if self.device.type != "cpu":
-            self.model.to("cpu")
-            torch.cuda.empty_cache()
+        with self.state.rollback_on_error():
+            self.state.sleep(level)
+            if self.device.type != "cpu":
+                self.model.to("cpu")
+                torch.cuda.empty_cache()
 
     def wake_up(self, tags: Sequence[str] | None = None) -> None:
         self._check_open()
-        self.state.wake_up(tags)
-        if self.state.weights_awake and self.device.type != "cpu":
-            self.model.to(self.device)
+        with self.state.rollback_on_error():
+            self.state.wake_up(tags)
+            if self.state.weights_awake and self.device.type != "cpu":
+                self.model.to(self.device)
 
     def shutdown(self) -> None:
         self._closed = True

@@ -20,7 +20,8 @@ the strategy's engine calls then wake a sleeping engine themselves, only what sl
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping, Sequence
+import contextlib
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
@@ -281,7 +282,9 @@ class SleepState:
 
     Attributes:
         weights_awake, kv_awake: what is resident on the accelerator.
-        weights_stale: set by a level-2 sleep; cleared by :meth:`weights_synced`.
+        weights_stale: set by a level-2 sleep (the weights were discarded) and by
+            :meth:`weights_changing` (a sync has replaced some of them); cleared by
+            :meth:`weights_synced`. Generation is refused while it is set.
     """
 
     def __init__(self, supports_sleep: bool = True) -> None:
@@ -290,6 +293,20 @@ class SleepState:
         self.kv_awake = True
         self.weights_stale = False
         self.level: int | None = None
+        self._stale_because = ""
+
+    @contextlib.contextmanager
+    def rollback_on_error(self) -> Iterator[None]:
+        """Around an adapter's state change and the engine call that makes it real
+        (``state.wake_up(tags)`` then the engine's own wake-up, say): if the engine call
+        raises (out of memory while re-mapping the weights, say), the state is put back
+        as it was, so it never reports awake what the engine failed to wake."""
+        saved = dict(vars(self))
+        try:
+            yield
+        except BaseException:
+            vars(self).update(saved)
+            raise
 
     @property
     def asleep(self) -> bool:
@@ -311,6 +328,7 @@ class SleepState:
         self.level = level
         if level == 2:
             self.weights_stale = True
+            self._stale_because = "a level-2 sleep discarded them"
 
     def wake_up(self, tags: Sequence[str] | None = None) -> None:
         wanted = list(WAKE_TAGS if tags is None else tags)
@@ -330,8 +348,18 @@ class SleepState:
                 "update_weights while the weights are asleep; call wake_up(['weights']) first"
             )
 
+    def weights_changing(self) -> None:
+        """An adapter that applies part of a sync before it finishes (vLLM reloads each
+        layer once all of its tensors arrived) calls this when it does: until
+        :meth:`weights_synced`, the engine holds a mix of old and new weights, so an
+        interrupted sync leaves generation refused, not silently mixed."""
+        if not self.weights_stale:
+            self.weights_stale = True
+            self._stale_because = "a sync replaced some of them and did not finish"
+
     def weights_synced(self) -> None:
         self.weights_stale = False
+        self._stale_because = ""
 
     def check_generate(self) -> None:
         if self.asleep:
@@ -339,8 +367,9 @@ class SleepState:
             raise EngineError(f"generate while {asleep} asleep; call wake_up() first")
         if self.weights_stale:
             raise EngineError(
-                "generate with stale weights: a level-2 sleep discarded them; send the "
-                "weights with update_weights (strategy.update_engine_weights) first"
+                f"generate with stale weights: {self._stale_because}; send all the weights "
+                "with update_weights and finish_weight_update "
+                "(strategy.update_engine_weights) first"
             )
 
 

@@ -310,6 +310,7 @@ class SGLangEngine:
         items = [(name, tensor.detach().contiguous()) for name, tensor in named_tensors]
         if not items:
             return
+        self.state.weights_changing()  # SGLang loads each bucket as it comes
         serializer = self.api["MultiprocessingSerializer"]
         if self.api.flattened_bucket:
             bucket = self.api.call(
@@ -421,26 +422,30 @@ class SGLangEngine:
         """Level 1: release the KV cache and CUDA graphs. Level 2: also the weights
         (stale until the next full sync)."""
         self._check_open()
-        self.state.sleep(level)
-        if self.leader:
-            self.api.call(
-                self.engine, "Engine", "release_memory_occupation", tags=RELEASE_TAGS[level]
-            )
+        with self.state.rollback_on_error():
+            self.state.sleep(level)
+            if self.leader:
+                self.api.call(
+                    self.engine, "Engine", "release_memory_occupation", tags=RELEASE_TAGS[level]
+                )
 
     def wake_up(self, tags: Sequence[str] | None = None) -> None:
         """Resume ``tags`` (default: weights, then KV cache) in that order."""
         self._check_open()
         level = self.state.level
         was = {"weights": self.state.weights_awake, "kv_cache": self.state.kv_awake}
-        self.state.wake_up(tags)
-        if not self.leader:
-            return
-        for tag in ("weights", "kv_cache"):
-            if tags is not None and tag not in tags:
-                continue
-            if was[tag] or (tag == "weights" and level == 1):  # level 1 kept the weights
-                continue
-            self.api.call(self.engine, "Engine", "resume_memory_occupation", tags=RESUME_TAGS[tag])
+        with self.state.rollback_on_error():
+            self.state.wake_up(tags)
+            if not self.leader:
+                return
+            for tag in ("weights", "kv_cache"):
+                if tags is not None and tag not in tags:
+                    continue
+                if was[tag] or (tag == "weights" and level == 1):  # level 1 kept the weights
+                    continue
+                self.api.call(
+                    self.engine, "Engine", "resume_memory_occupation", tags=RESUME_TAGS[tag]
+                )
 
     # -- teardown ----------------------------------------------------------------------
     def shutdown(self) -> None:

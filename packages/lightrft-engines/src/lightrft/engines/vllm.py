@@ -301,6 +301,7 @@ class VLLMEngine:
             for name in names
         ]
         if ready:
+            self.state.weights_changing()  # until the sync finishes: old and new mixed
             self._reload([(name, self._pending.pop(name)) for name in ready])
             self._loaded.update(ready)
 
@@ -314,6 +315,7 @@ class VLLMEngine:
         loaded, self._loaded = self._loaded, set()
         if self._shapes is None:
             if pending:
+                self.state.weights_changing()
                 self._reload(list(pending.items()))
         else:
             absent = [n for n in self._shapes if n not in loaded]  # whole or part layers
@@ -328,14 +330,16 @@ class VLLMEngine:
     # -- sleep -------------------------------------------------------------------------
     def sleep(self, level: int = 1) -> None:
         self._check_open()
-        self.state.sleep(level)
-        self.llm.sleep(level=level)
+        with self.state.rollback_on_error():
+            self.state.sleep(level)
+            self.llm.sleep(level=level)
 
     def wake_up(self, tags: Sequence[str] | None = None) -> None:
         self._check_open()
-        self.state.wake_up(tags)
-        if self.supports_sleep:
-            self.llm.wake_up(tags=None if tags is None else list(tags))
+        with self.state.rollback_on_error():
+            self.state.wake_up(tags)
+            if self.supports_sleep:
+                self.llm.wake_up(tags=None if tags is None else list(tags))
 
     def shutdown(self) -> None:
         """Stop the engine and free its memory. vLLM's teardown destroys its distributed

@@ -47,6 +47,9 @@ class InferenceEngineCalls:
     inference_engine: Any = None
     _engine_group: Any = None
     _engine_group_ranks: tuple[int, ...] = (0,)
+    #: For an engine that keeps no SleepState: the wake-up tags of what the strategy
+    #: itself put to sleep (so its engine calls wake what they slept, and only that).
+    _slept_tags: frozenset[str] = frozenset()
 
     if TYPE_CHECKING:  # provided by StrategyBase
         config: StrategyConfig
@@ -117,6 +120,7 @@ class InferenceEngineCalls:
                     self._engine_group = group
         self.inference_engine = engine
         self._warned_no_sleep = False
+        self._slept_tags = frozenset()
         if actor is not None:
             self.update_engine_weights(actor)
         if built:  # upstream's order; a ready engine is left as it was handed over
@@ -464,11 +468,11 @@ class InferenceEngineCalls:
         engine = self.inference_engine
         if level is None or engine is None:
             return False
-        if getattr(getattr(engine, "state", None), "asleep", False):
-            asleep = self._sleeping(None)
-            if asleep is None or len(asleep) == len(_protocol().WAKE_TAGS):
+        asleep = self._sleeping(None)
+        if asleep:
+            if len(asleep) == len(_protocol().WAKE_TAGS):
                 return False  # already asleep (upstream's gather_and_generate sleeps after)
-            engine.wake_up(asleep)
+            self._wake_tags(asleep)
         if not engine.supports_sleep:
             if not getattr(self, "_warned_no_sleep", False):
                 logger.warning(
@@ -479,6 +483,8 @@ class InferenceEngineCalls:
                 self._warned_no_sleep = True
             return False
         engine.sleep(level)
+        if not self._keeps_state(engine):
+            self._slept_tags = frozenset(_protocol().WAKE_TAGS)
         return True
 
     def wakeup_inference_engine(self, tags: Sequence[str] | None = None) -> None:
@@ -487,34 +493,45 @@ class InferenceEngineCalls:
         that keeps no :class:`lightrft.engines.SleepState`, what is asked."""
         self._wake(tags, blind=True)
 
-    def _sleeping(self, tags: Sequence[str] | None) -> list[str] | None:
-        """Which of ``tags`` (None: all) the engine's SleepState says sleep, in wake-up
-        order (an unknown tag is kept, for the engine to refuse); None when the engine
-        keeps no such state."""
-        asleep_tags = getattr(getattr(self.inference_engine, "state", None), "asleep_tags", None)
-        if not callable(asleep_tags):
-            return None
-        asleep: list[str] = asleep_tags()
+    @staticmethod
+    def _keeps_state(engine: Any) -> bool:
+        return callable(getattr(getattr(engine, "state", None), "asleep_tags", None))
+
+    def _sleeping(self, tags: Sequence[str] | None) -> list[str]:
+        """Which of ``tags`` (None: all) sleep, in wake-up order: what the engine's
+        SleepState says, or, for an engine that keeps none, what the strategy put to
+        sleep. An unknown tag is kept, for the engine to refuse."""
+        engine = self.inference_engine
+        known = _protocol().WAKE_TAGS
+        if self._keeps_state(engine):
+            asleep: list[str] = engine.state.asleep_tags()
+        else:
+            asleep = [t for t in known if t in self._slept_tags]
         if tags is None:
             return asleep
-        known = _protocol().WAKE_TAGS
         return [t for t in tags if t in asleep or t not in known]
+
+    def _wake_tags(self, asleep: Sequence[str]) -> None:
+        """Wake ``asleep`` (every tag at once as None: the adapters' full wake-up)."""
+        full = len(asleep) == len(_protocol().WAKE_TAGS)
+        self.inference_engine.wake_up(None if full else list(asleep))
+        self._slept_tags = self._slept_tags - set(asleep)
 
     def _wake(self, tags: Sequence[str] | None, *, blind: bool) -> None:
         """Wake what sleeps of ``tags`` when sleep is enabled. ``blind``: an engine that
-        keeps no SleepState gets the call as asked (the explicit call); otherwise such
-        an engine is left alone (the engine calls' own wake-ups)."""
+        keeps no SleepState gets the call as asked (the explicit call, for an engine
+        put to sleep by someone else); otherwise such an engine is woken of what the
+        strategy put to sleep (the engine calls' own wake-ups)."""
         engine = self.inference_engine
         if self.config.sleep_level is None or engine is None or not engine.supports_sleep:
             return
-        asleep = self._sleeping(tags)
-        if asleep is None:
-            if blind:
-                engine.wake_up(tags)
+        if blind and not self._keeps_state(engine):
+            engine.wake_up(tags)
+            self._slept_tags = self._slept_tags - set(tags or _protocol().WAKE_TAGS)
             return
-        if asleep:  # every tag at once as None, the adapters' own full wake-up
-            full = tags is None and len(asleep) == len(_protocol().WAKE_TAGS)
-            engine.wake_up(None if full else asleep)
+        asleep = self._sleeping(tags)
+        if asleep:
+            self._wake_tags(asleep)
 
 
 def _more_media(kwargs: Mapping[str, Any]) -> dict[str, tuple[Any, Any]]:
