@@ -10,7 +10,8 @@ nodes often cannot; this carries what they lack and runs the same tests there:
 
 bundle writes into DIR the wheels of the four distributions (`uv build`) and the uv.lock
 versions of the packages a PyTorch+CUDA image usually lacks (pydantic and its parts,
-DeepSpeed and hjson), for CPython 3.12 on x86-64 Linux (``--python-version``).
+DeepSpeed and hjson, pytest-timeout), for CPython 3.12 on x86-64 Linux
+(``--python-version``).
 
 check installs DIR's wheels without dependencies into a folder on PYTHONPATH (the
 machine's torch, transformers and pytest are used as they are), prints the environment,
