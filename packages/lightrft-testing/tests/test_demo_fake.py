@@ -1,6 +1,6 @@
 """The main job (examples/grpo.py) on the fake strategy, in one process: with the HF
-engine it learns; with the fake engine too (its completions do not come from the model,
-so the reward cannot rise) it runs and resumes exactly."""
+engine and with the fake engine (which samples from the model the demo names, its
+weights replaced by every sync) it learns, and resumes exactly."""
 
 from __future__ import annotations
 
@@ -36,15 +36,31 @@ def test_fake_strategy_with_the_hf_engine_learns(tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(600)
-def test_fake_strategy_and_fake_engine_run_and_resume_exactly(tmp_path: Path) -> None:
-    fake = ["--engine_type", "fake", "--min-gain", "-1", "--save-every", "3"]
-    _run(*fake, "--steps", "6", "--out", str(tmp_path / "full"))
-    _run(*fake, "--steps", "3", "--out", str(tmp_path / "part"))
-    _run(*fake, "--steps", "6", "--resume", "--out", str(tmp_path / "part"))
+def test_fake_strategy_and_fake_engine_learn_and_resume_exactly(tmp_path: Path) -> None:
+    fake = ["--engine_type", "fake", "--min-gain", "-1", "--save-every", "3", "--steps", "12"]
+    _run(*fake, "--out", str(tmp_path / "full"))
+    _run(*fake, "--stop-after", "6", "--out", str(tmp_path / "part"))
+    _run(*fake, "--resume", "--out", str(tmp_path / "part"))
     full, resumed = _metrics(tmp_path / "full"), _metrics(tmp_path / "part")
-    assert [r["step"] for r in full] == [r["step"] for r in resumed] == list(range(1, 7))
+    rewards = [r["reward_mean"] for r in full]
+    assert sum(rewards[-3:]) / 3 > sum(rewards[:3]) / 3 + 0.2, rewards
+    assert [r["step"] for r in full] == [r["step"] for r in resumed] == list(range(1, 13))
     for a, b in zip(full, resumed, strict=True):
         assert (a["reward_mean"], a["kl"], a["loss"]) == (b["reward_mean"], b["kl"], b["loss"])
+
+
+@pytest.mark.timeout(600)
+def test_the_fake_engine_keeps_its_output_rule_when_asked(tmp_path: Path) -> None:
+    """``sample_from_model=False``: completions by the documented rule, not from the
+    model, so the policy cannot learn from them (the reward stays near its start)."""
+    config = tmp_path / "grpo.yaml"  # the demo's settings, and an engine option
+    config.write_text(
+        (GRPO.parent / "grpo.yaml").read_text() + "engine_options: {sample_from_model: false}\n"
+    )
+    _run("--config", str(config), "--engine_type", "fake", "--min-gain", "-1", "--steps", "6",
+         "--out", str(tmp_path / "run"))  # fmt: skip
+    rewards = [r["reward_mean"] for r in _metrics(tmp_path / "run")]
+    assert len(rewards) == 6 and max(rewards) < 0.35, rewards
 
 
 @pytest.mark.timeout(600)

@@ -17,6 +17,14 @@ does). So syncing the same weights again (in any order or bucketing) leaves the
 generations as they were, and changing any weight changes them.
 ``weights_version`` is ``w[0]``.
 
+With a ``policy`` (a causal LM: ``policy(input_ids)`` gives logits, or an output with
+``.logits``) the engine samples its completions from that model instead
+(:mod:`lightrft.testing.policy_sampler`: greedy at temperature 0, seeded sampling,
+``n``, stop ids, logprobs), and a completed sync copies the weights into it: so a loop
+on the fake engine learns as on a real one. Built from a spec that names a model folder
+(``pretrain``), it loads that model as its policy (native option
+``sample_from_model=False``: the output rule).
+
 Sleep/wake follows :class:`lightrft.engines.protocol.SleepState`, the state machine
 the real adapters use; every weight sync is recorded (name, shape, dtype and a SHA-256
 of each tensor's bytes) so a test can check a sync sent exactly the right weights.
@@ -32,6 +40,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch import nn
 
 from lightrft.engines.protocol import (
     EngineError,
@@ -90,6 +99,9 @@ class FakeEngine:
         supports_sleep: whether sleep/wake is available.
         generate_on_every_rank: whether each rank of a tensor-parallel group calls
             :meth:`generate` (as vLLM's external launcher) or only its first rank.
+        policy: a causal LM to sample completions from (see the module docstring); its
+            parameter names are then the names a sync must send (``expected_weights``),
+            with their shapes.
     """
 
     def __init__(
@@ -98,10 +110,16 @@ class FakeEngine:
         expected_weights: Iterable[str] | None = None,
         supports_sleep: bool = True,
         generate_on_every_rank: bool = True,
+        policy: nn.Module | None = None,
     ) -> None:
         if vocab_size < 2:
             raise ValueError(f"FakeEngine vocab_size={vocab_size} must be >= 2")
         self.vocab_size = vocab_size
+        self.policy = policy
+        #: The policy's parameters by name (a tied weight once), which syncs replace.
+        self._policy_params = dict(policy.named_parameters()) if policy is not None else {}
+        if policy is not None and expected_weights is None:
+            expected_weights = self._policy_params
         self.expected_weights = set(expected_weights) if expected_weights is not None else None
         self.supports_sleep = supports_sleep
         self.generate_on_every_rank = generate_on_every_rank
@@ -123,6 +141,7 @@ class FakeEngine:
         self.last_prompts: list[Prompt] = []
         self.closed = False
         self._pending: dict[str, WeightRecord] = {}
+        self._pending_tensors: dict[str, torch.Tensor] = {}
 
     # -- generation ------------------------------------------------------------------------
     @classmethod
@@ -133,9 +152,15 @@ class FakeEngine:
         ``vocab_size``, that of the model the spec names (its ``config.json``), so the
         token ids fit the model being trained."""
         options = dict(spec.native)
+        sample = options.pop("sample_from_model", True)
         config = Path(spec.model_path or "") / "config.json"
-        if "vocab_size" not in options and spec.model_path and config.is_file():
-            options["vocab_size"] = int(json.loads(config.read_text())["vocab_size"])
+        if spec.model_path and config.is_file():
+            if "vocab_size" not in options:
+                options["vocab_size"] = int(json.loads(config.read_text())["vocab_size"])
+            if sample and "policy" not in options:
+                from lightrft.testing.policy_sampler import load_policy
+
+                options["policy"] = load_policy(spec.model_path, spec.device)
         return cls(**options)
 
     @property
@@ -149,6 +174,13 @@ class FakeEngine:
         self.state.check_generate()
         self.generate_calls += 1
         self.last_prompts = list(prompts)
+        if self.policy is not None:
+            from lightrft.testing.policy_sampler import sample_completions
+
+            token_lists = [prompt_token_ids(prompt) for prompt in prompts]
+            return sample_completions(
+                self.policy, token_lists, sampling, weight_version=self.weight_version
+            )
         seed = sampling.seed or 0
         stops = set(sampling.stop_token_ids)
         outputs = []
@@ -188,32 +220,59 @@ class FakeEngine:
         self.state.wake_up(tags)
 
     # -- weights -------------------------------------------------------------------------------
+    def weight_shapes(self) -> dict[str, tuple[int, ...]] | None:
+        """With a policy: name -> shape of every parameter a sync must send; else None
+        (the engine cannot tell)."""
+        if self.policy is None:
+            return None
+        return {name: tuple(p.shape) for name, p in self._policy_params.items()}
+
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         self._check_open()
         self.state.check_update()
         count = 0
         for name, tensor in named_tensors:
             if self.expected_weights is not None and name not in self.expected_weights:
-                self._pending, self._pending_buckets = {}, []  # the sync is abandoned
+                self._abandon()
                 raise WeightMismatchError(unexpected=[name])
             if name in self._pending:
-                self._pending, self._pending_buckets = {}, []
+                self._abandon()
                 raise EngineError(f"update_weights: {name!r} sent twice in one sync")
+            if self.policy is not None:
+                target = self._policy_params.get(name)
+                if target is None:
+                    self._abandon()
+                    raise WeightMismatchError(unexpected=[name])
+                if tuple(tensor.shape) != tuple(target.shape):
+                    self._abandon()
+                    raise WeightMismatchError(
+                        wrong_shape={name: (tuple(tensor.shape), tuple(target.shape))}
+                    )
+                self._pending_tensors[name] = tensor.detach().to(
+                    target.device, target.dtype, copy=True
+                )
             self._pending[name] = WeightRecord(
                 name, tuple(tensor.shape), tensor.dtype, tensor_digest(tensor)
             )
             count += 1
         self._pending_buckets.append(count)
 
+    def _abandon(self) -> None:
+        """A refused sync leaves nothing staged (the weights held stay as they were)."""
+        self._pending, self._pending_buckets, self._pending_tensors = {}, [], {}
+
     def finish_weight_update(self) -> None:
         self._check_open()
         if self.expected_weights is not None:
             missing = sorted(self.expected_weights - set(self._pending))
             if missing:
-                self._pending.clear()
-                self._pending_buckets = []
+                self._abandon()
                 raise WeightMismatchError(missing=missing)
         record, self._pending = self._pending, {}
+        tensors, self._pending_tensors = self._pending_tensors, {}
+        with torch.no_grad():
+            for name, tensor in tensors.items():
+                self._policy_params[name].copy_(tensor)
         self.bucket_sizes, self._pending_buckets = self._pending_buckets, []
         self.syncs.append(record)
         self._set_weights({**self.weights, **record})
