@@ -127,6 +127,23 @@ def test_a_failed_engine_call_puts_the_state_back(call: str) -> None:
     assert state.asleep is (call == "sleep")
 
 
+def test_a_failed_level_2_sleep_leaves_the_weights_stale() -> None:
+    """The engine may have released the weights before its sleep call failed: the state
+    goes back to awake, but generation waits for a sync."""
+    state = SleepState()
+
+    def sleep_that_fails() -> None:
+        with state.rollback_on_error():
+            state.sleep(2)
+            raise RuntimeError("failed after releasing the weights")
+
+    with pytest.raises(RuntimeError, match="after releasing"):
+        sleep_that_fails()
+    assert not state.asleep and state.weights_stale
+    with pytest.raises(EngineError, match="a level-2 sleep discarded them"):
+        state.check_generate()
+
+
 @pytest.mark.parametrize(
     ("action", "expected"),
     [

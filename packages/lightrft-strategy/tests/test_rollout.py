@@ -213,6 +213,17 @@ def test_an_engine_without_sleep_state_is_woken_of_what_the_strategy_slept() -> 
     assert not engine.asleep and len(strategy.gather_and_generate([[3]])) == 1
 
 
+def test_an_explicit_wake_up_wakes_exactly_the_tags_named() -> None:
+    strategy = _single(enable_engine_sleep=True, engine_sleep_level=2)
+    engine = strategy.setup_inference_engine(FakeEngine())
+    strategy.maybe_sleep_inference_engine()
+    with pytest.raises(EngineError, match=r"wake_up tags \['kvcache'\] are invalid"):
+        strategy.wakeup_inference_engine(["weights", "kvcache"])  # a typo is refused
+    assert not engine.state.weights_awake and not engine.state.kv_awake
+    strategy.wakeup_inference_engine(["weights", "weights"])
+    assert engine.state.weights_awake and not engine.state.kv_awake
+
+
 def test_sleep_calls_do_nothing_when_sleep_is_disabled() -> None:
     strategy = _single()
     engine = strategy.setup_inference_engine(FakeEngine())

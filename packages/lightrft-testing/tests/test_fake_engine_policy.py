@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 
-from lightrft.engines import SamplingParams, WeightMismatchError, build_engine
+from lightrft.engines import EngineError, SamplingParams, WeightMismatchError, build_engine
 from lightrft.testing import FakeEngine
 from lightrft.testing.models import (
     ENGINE_QWEN2,
@@ -66,10 +66,20 @@ def test_seeded_sampling_is_reproducible_per_prompt_with_n_samples_in_order() ->
     assert [o.prompt_token_ids for o in outs] == [p for p in PROMPTS for _ in range(4)]
     assert _tokens(outs) == _tokens(engine.generate(PROMPTS, sampling))
     assert len({tuple(t) for t in _tokens(outs[:4])}) > 1  # the samples differ
-    # a prompt's completions do not depend on the other prompts of the call
-    assert _tokens(engine.generate(PROMPTS[1:2], sampling)) == _tokens(outs[4:8])
-    other_seed = SamplingParams(max_new_tokens=8, temperature=1.0, n=4, seed=8)
+    # request i is seeded seed + i, as the vLLM and SGLang adapters do: a prompt repeated
+    # in one call gets other samples, and moved to position 0 it gets position 0's seed
+    twice = engine.generate([PROMPTS[0], PROMPTS[0]], sampling)
+    assert _tokens(twice[:4]) == _tokens(outs[:4]) != _tokens(twice[4:])
+    moved = SamplingParams(max_new_tokens=8, temperature=1.0, n=4, seed=8)
+    assert _tokens(engine.generate(PROMPTS[1:2], moved)) == _tokens(outs[4:8])
+    other_seed = SamplingParams(max_new_tokens=8, temperature=1.0, n=4, seed=9)
     assert _tokens(engine.generate(PROMPTS, other_seed)) != _tokens(outs)
+    # no seed: drawn from torch's generator, so reproducible under torch.manual_seed
+    unseeded = SamplingParams(max_new_tokens=8, temperature=1.0, n=4)
+    torch.manual_seed(0)
+    first = _tokens(engine.generate(PROMPTS, unseeded))
+    torch.manual_seed(0)
+    assert _tokens(engine.generate(PROMPTS, unseeded)) == first
 
 
 def test_a_stop_token_ends_a_completion() -> None:
@@ -125,3 +135,9 @@ def test_built_from_a_spec_naming_a_model_it_samples_from_that_model(tmp_path: P
         }
     )
     assert plain.policy is None and plain.vocab_size == VOCAB
+    (tmp_path / "other").mkdir()  # a folder that holds no causal LM
+    (tmp_path / "other" / "config.json").write_text(
+        '{"model_type": "not-a-model", "vocab_size": 9}'
+    )
+    with pytest.raises(EngineError, match="sample_from_model=False"):
+        build_engine({"engine_type": "fake", "pretrain": str(tmp_path / "other")})

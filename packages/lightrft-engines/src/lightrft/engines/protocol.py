@@ -300,12 +300,17 @@ class SleepState:
         """Around an adapter's state change and the engine call that makes it real
         (``state.wake_up(tags)`` then the engine's own wake-up, say): if the engine call
         raises (out of memory while re-mapping the weights, say), the state is put back
-        as it was, so it never reports awake what the engine failed to wake."""
+        as it was, so it never reports awake what the engine failed to wake; except
+        that weights marked stale stay stale (a level-2 sleep that failed part-way may
+        have released them already)."""
         saved = dict(vars(self))
         try:
             yield
         except BaseException:
+            stale, because = self.weights_stale, self._stale_because
             vars(self).update(saved)
+            if stale and not self.weights_stale:
+                self.weights_stale, self._stale_because = True, because
             raise
 
     @property

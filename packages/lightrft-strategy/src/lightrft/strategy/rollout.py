@@ -470,7 +470,7 @@ class InferenceEngineCalls:
             return False
         asleep = self._sleeping(None)
         if asleep:
-            if len(asleep) == len(_protocol().WAKE_TAGS):
+            if set(asleep) == set(_protocol().WAKE_TAGS):
                 return False  # already asleep (upstream's gather_and_generate sleeps after)
             self._wake_tags(asleep)
         if not engine.supports_sleep:
@@ -513,7 +513,7 @@ class InferenceEngineCalls:
 
     def _wake_tags(self, asleep: Sequence[str]) -> None:
         """Wake ``asleep`` (every tag at once as None: the adapters' full wake-up)."""
-        full = len(asleep) == len(_protocol().WAKE_TAGS)
+        full = set(asleep) == set(_protocol().WAKE_TAGS)
         self.inference_engine.wake_up(None if full else list(asleep))
         self._slept_tags = self._slept_tags - set(asleep)
 

@@ -115,7 +115,7 @@ class FakeEngine:
         if vocab_size < 2:
             raise ValueError(f"FakeEngine vocab_size={vocab_size} must be >= 2")
         self.vocab_size = vocab_size
-        self.policy = policy
+        self.policy = policy.eval() if policy is not None else None  # no dropout
         #: The policy's parameters by name (a tied weight once), which syncs replace.
         self._policy_params = dict(policy.named_parameters()) if policy is not None else {}
         if policy is not None and expected_weights is None:
@@ -155,8 +155,10 @@ class FakeEngine:
         sample = options.pop("sample_from_model", True)
         config = Path(spec.model_path or "") / "config.json"
         if spec.model_path and config.is_file():
-            if "vocab_size" not in options:
-                options["vocab_size"] = int(json.loads(config.read_text())["vocab_size"])
+            fields = json.loads(config.read_text())
+            vocab = fields.get("vocab_size") or fields.get("text_config", {}).get("vocab_size")
+            if "vocab_size" not in options and vocab:
+                options["vocab_size"] = int(vocab)
             if sample and "policy" not in options:
                 from lightrft.testing.policy_sampler import load_policy
 

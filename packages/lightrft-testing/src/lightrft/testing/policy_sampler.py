@@ -3,10 +3,12 @@
 
 No KV cache, no padding, no engine: each new token costs one forward pass over the whole
 sequence, so it suits the tiny models of tests and demos. A prompt's ``n`` samples are one
-batch; sample ``k`` of a prompt draws from its own generator, seeded by
-``SamplingParams.seed`` (0 when None), the prompt's token ids and ``k``, so a completion
-does not depend on what else is in the call (as vLLM's per-request seeds), and the same
-call gives the same completions.
+batch; sample ``k`` of request ``i`` (the prompt's position in the call) draws from its
+own generator, seeded from ``SamplingParams.seed + i`` and ``k``, as the vLLM and SGLang
+adapters seed request ``i`` with ``seed + i``: the same call gives the same completions,
+and a prompt repeated within a call gets different ones. Without a seed, the base seed is
+drawn from torch's global generator (reproducible under ``torch.manual_seed``, as the HF
+engine's sampling).
 """
 
 from __future__ import annotations
@@ -18,12 +20,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightrft.engines.protocol import GenerationOutput, SamplingParams
+from lightrft.engines.protocol import EngineError, GenerationOutput, SamplingParams
 
 
-def sample_seed(seed: int | None, prompt: Sequence[int], k: int) -> int:
-    """The generator seed of sample ``k`` of ``prompt``."""
-    text = f"{seed or 0}:{k}:{','.join(map(str, prompt))}"
+def sample_seed(request_seed: int, k: int) -> int:
+    """The generator seed of sample ``k`` of a request seeded ``request_seed``."""
+    text = f"{request_seed}:{k}"
     return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little")
 
 
@@ -63,12 +65,15 @@ def sample_completions(
     """``sampling.n`` completions per prompt, in order (prompt 0's samples first)."""
     device = next(policy.parameters()).device
     stops = set(sampling.stop_token_ids)
+    base = sampling.seed
+    if base is None:
+        base = int(torch.randint(0, 2**62, (1,)))
     outputs: list[GenerationOutput] = []
-    for prompt in prompts:
+    for request, prompt in enumerate(prompts):
         ids = list(prompt)
         n = sampling.n
         generators = [
-            torch.Generator().manual_seed(sample_seed(sampling.seed, ids, k)) for k in range(n)
+            torch.Generator().manual_seed(sample_seed(base + request, k)) for k in range(n)
         ]
         sequences = torch.tensor([ids] * n, device=device)
         tokens: list[list[int]] = [[] for _ in range(n)]
@@ -112,5 +117,12 @@ def load_policy(model_path: str, device: str = "cpu") -> Any:
             "not installed: pip install 'lightrft-testing[hf]', or pass the engine option "
             "sample_from_model=False for the deterministic output rule"
         ) from exc
-    model: Any = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    try:
+        model: Any = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    except (OSError, ValueError) as exc:
+        raise EngineError(
+            f"FakeEngine could not load {model_path!r} as a causal LM to sample from "
+            f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); pass "
+            "the engine option sample_from_model=False for the deterministic output rule"
+        ) from exc
     return model.to(device).eval()
