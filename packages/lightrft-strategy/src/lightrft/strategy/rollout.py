@@ -183,8 +183,9 @@ class InferenceEngineCalls:
                 if target is not None:
                     sent[target] = _full_shape(param)
             _protocol().check_weight_shapes(expected, sent)
-        # a sleeping engine is woken as upstream's update_engine_weights does, in the order
-        # a level-2 sleep needs: the weights, the sync, then the KV cache
+        # a sleeping engine is woken, as upstream's update_engine_weights wakes it before
+        # broadcasting (whole, with one wake_up()); here in the order a level-2 sleep
+        # needs: the weights, the sync, then the KV cache
         self._wake(["weights"], blind=False)
         bucket: list[tuple[str, torch.Tensor]] = []
         size = tensors = buckets = total = 0
