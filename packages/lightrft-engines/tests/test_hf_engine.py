@@ -16,6 +16,7 @@ from lightrft.engines import (
     build_engine,
 )
 from lightrft.engines.hf import HFEngine
+from lightrft.testing.models import greedy_reference
 
 PROMPTS = [[5, 17, 99, 3], [42], [7, 7, 7, 7, 7, 7, 7]]  # uneven: left padding is exercised
 
@@ -28,16 +29,6 @@ def _engine(path: Path, **changes: Any) -> HFEngine:
     return engine
 
 
-def _reference_greedy(model: Any, prompt: list[int], new: int) -> list[int]:
-    """transformers' generate on one unpadded prompt."""
-    with torch.no_grad():
-        out = model.generate(
-            input_ids=torch.tensor([prompt]), max_new_tokens=new, do_sample=False,
-            eos_token_id=None, pad_token_id=0,
-        )  # fmt: skip
-    return list(out[0, len(prompt) :].tolist())
-
-
 def _sync(engine: HFEngine, named: list[tuple[str, torch.Tensor]]) -> None:
     for start in range(0, len(named), 5):  # in buckets, as the strategy sends them
         engine.update_weights(named[start : start + 5])
@@ -47,7 +38,7 @@ def _sync(engine: HFEngine, named: list[tuple[str, torch.Tensor]]) -> None:
 def test_greedy_equals_transformers_generate_prompt_by_prompt(tiny_model_dir: Path) -> None:
     engine = _engine(tiny_model_dir)
     outs = engine.generate(PROMPTS, SamplingParams(max_new_tokens=8, temperature=0))
-    expected = [_reference_greedy(engine.model, p, 8) for p in PROMPTS]
+    expected = greedy_reference(engine.model, PROMPTS, 8)
     assert [o.output_token_ids for o in outs] == expected
     assert [o.prompt_token_ids for o in outs] == PROMPTS
     assert {o.finish_reason for o in outs} == {"length"}
@@ -117,9 +108,7 @@ def test_update_weights_changes_generation_and_a_bad_sync_keeps_the_old(
         assert engine.generate(PROMPTS, params) == before, f"{label}: weights changed"
     _sync(engine, named)
     after = engine.generate(PROMPTS, params)
-    assert [o.output_token_ids for o in after] == [
-        _reference_greedy(trained, p, 8) for p in PROMPTS
-    ]
+    assert [o.output_token_ids for o in after] == greedy_reference(trained, PROMPTS, 8)
     assert after != before and {o.weight_version for o in after} == {1}
 
 

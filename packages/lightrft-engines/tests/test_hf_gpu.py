@@ -5,28 +5,18 @@ from __future__ import annotations
 
 import copy
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
 
 from lightrft.engines import EngineError, SamplingParams, build_engine
 from lightrft.engines.hf import HFEngine
+from lightrft.testing.models import greedy_reference
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(300)]
 
 PROMPTS = [[5, 17, 99, 3], [42], [7, 7, 7, 7, 7, 7, 7]]  # uneven: left padding is exercised
 GREEDY = SamplingParams(max_new_tokens=8, temperature=0)
-
-
-def _reference_greedy(model: Any, prompt: list[int]) -> list[int]:
-    """transformers' generate on one unpadded prompt, on the model's device."""
-    with torch.no_grad():
-        out = model.generate(
-            input_ids=torch.tensor([prompt], device=model.device), max_new_tokens=8,
-            do_sample=False, eos_token_id=None, pad_token_id=0,
-        )  # fmt: skip
-    return list(out[0, len(prompt) :].tolist())
 
 
 def test_hf_engine_on_cuda_generates_as_transformers_and_sleep_frees_its_memory(
@@ -37,7 +27,7 @@ def test_hf_engine_on_cuda_generates_as_transformers_and_sleep_frees_its_memory(
     engine = build_engine(args)
     assert isinstance(engine, HFEngine) and engine.device.type == "cuda"
     first = [o.output_token_ids for o in engine.generate(PROMPTS, GREEDY)]
-    assert first == [_reference_greedy(engine.model, p) for p in PROMPTS]
+    assert first == greedy_reference(engine.model, PROMPTS, 8)
 
     weights = sum(p.numel() * p.element_size() for p in engine.model.parameters())
     awake = torch.cuda.memory_allocated()
@@ -67,6 +57,6 @@ def test_hf_engine_on_cuda_generates_as_transformers_and_sleep_frees_its_memory(
     engine.finish_weight_update()
     engine.wake_up(["kv_cache"])
     after = engine.generate(PROMPTS, GREEDY)
-    assert [o.output_token_ids for o in after] == [_reference_greedy(trained, p) for p in PROMPTS]
+    assert [o.output_token_ids for o in after] == greedy_reference(trained, PROMPTS, 8)
     assert [o.output_token_ids for o in after] != first and {o.weight_version for o in after} == {1}
     engine.shutdown()

@@ -37,6 +37,7 @@ from lightrft.engines.sglang_api import (
     load_api,
     version_tuple,
 )
+from lightrft.testing.models import greedy_reference
 from lightrft.testing.stand_in import stand_in
 
 pytestmark = [pytest.mark.sglang, pytest.mark.timeout(600)]
@@ -171,13 +172,7 @@ def _reference(model_dir: Path, state: dict[str, torch.Tensor], prompts: list[li
 
     model: Any = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     model.load_state_dict(state)
-    outs = []
-    for prompt in prompts:
-        with torch.no_grad():
-            ids = model.generate(input_ids=torch.tensor([prompt]), max_new_tokens=6,
-                                 do_sample=False, eos_token_id=None, pad_token_id=0)  # fmt: skip
-        outs.append(ids[0, len(prompt) :].tolist())
-    return outs
+    return greedy_reference(model, prompts, 6)
 
 
 def _engine(api: SGLangAPI, side: SGLangSide, **kwargs: Any) -> adapter.SGLangEngine:

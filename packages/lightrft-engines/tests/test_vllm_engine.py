@@ -13,6 +13,7 @@ import pytest
 
 from lightrft.testing.harness import train_sync_generate
 from lightrft.testing.launcher import run_distributed
+from lightrft.testing.models import greedy_reference
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
@@ -42,15 +43,7 @@ def _one_process_checks(model_dir: str) -> dict[str, Any]:
     model: Any = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
 
     def reference(prompts: list[list[int]]) -> list[list[int]]:
-        tokens = []
-        for prompt in prompts:
-            with torch.no_grad():
-                ids = model.generate(
-                    input_ids=torch.tensor([prompt]), max_new_tokens=8, do_sample=False,
-                    eos_token_id=None, pad_token_id=0,
-                )  # fmt: skip
-            tokens.append(ids[0, len(prompt) :].tolist())
-        return tokens
+        return greedy_reference(model, prompts, 8)
 
     out["vllm"] = [o.output_token_ids for o in vllm_out]
     out["hf"] = [o.output_token_ids for o in hf_out]

@@ -15,6 +15,7 @@ from lightrft.engines import EngineError, SamplingParams, WeightMismatchError, b
 from lightrft.testing import FakeEngine
 from lightrft.testing.models import (
     ENGINE_QWEN2,
+    greedy_reference,
     save_tiny_qwen2,
     tiny_hf_causal_lm,
     tiny_qwen2_config,
@@ -29,15 +30,6 @@ def _model(seed: int = 0) -> Any:
     return tiny_hf_causal_lm(**ENGINE_QWEN2).eval()
 
 
-def _reference(model: Any, prompt: list[int], new: int) -> list[int]:
-    with torch.no_grad():
-        ids = model.generate(
-            input_ids=torch.tensor([prompt]), max_new_tokens=new, do_sample=False,
-            eos_token_id=None, pad_token_id=0,
-        )  # fmt: skip
-    return ids[0, len(prompt) :].tolist()
-
-
 def _tokens(outputs: list[Any]) -> list[list[int]]:
     return [o.output_token_ids for o in outputs]
 
@@ -46,7 +38,7 @@ def test_greedy_equals_transformers_generate_and_logprobs_its_logits() -> None:
     model = _model()
     engine = FakeEngine(vocab_size=model.config.vocab_size, policy=copy.deepcopy(model))
     outs = engine.generate(PROMPTS, SamplingParams(max_new_tokens=6, temperature=0, logprobs=True))
-    assert _tokens(outs) == [_reference(model, p, 6) for p in PROMPTS]
+    assert _tokens(outs) == greedy_reference(model, PROMPTS, 6)
     sequence = torch.tensor([PROMPTS[0] + outs[0].output_token_ids])
     with torch.no_grad():
         logp = torch.log_softmax(model(sequence).logits[0].float(), -1)
@@ -85,7 +77,7 @@ def test_seeded_sampling_is_reproducible_per_prompt_with_n_samples_in_order() ->
 def test_a_stop_token_ends_a_completion() -> None:
     model = _model()
     engine = FakeEngine(vocab_size=model.config.vocab_size, policy=model)
-    greedy = _reference(model, PROMPTS[0], 6)
+    (greedy,) = greedy_reference(model, PROMPTS[:1], 6)
     out = engine.generate(
         PROMPTS[:1], SamplingParams(max_new_tokens=6, temperature=0, stop_token_ids=(greedy[2],))
     )[0]
@@ -103,7 +95,7 @@ def test_a_sync_replaces_the_weights_and_a_bad_one_keeps_them() -> None:
     engine.update_weights((n, p.detach()) for n, p in named[5:])
     engine.finish_weight_update()
     after = engine.generate(PROMPTS, greedy)
-    assert _tokens(after) == [_reference(trained, p, 6) for p in PROMPTS] != before
+    assert _tokens(after) == greedy_reference(trained, PROMPTS, 6) != before
     assert {o.weight_version for o in after} == {1}
     name, param = named[0]
     with pytest.raises(WeightMismatchError, match=rf"{name} sent \[3\] but the engine has"):
@@ -125,7 +117,7 @@ def test_built_from_a_spec_naming_a_model_it_samples_from_that_model(tmp_path: P
     model = tiny_hf_causal_lm(**ENGINE_QWEN2)
     model.load_state_dict(engine.policy.state_dict())
     greedy = SamplingParams(max_new_tokens=5, temperature=0)
-    assert _tokens(engine.generate(PROMPTS, greedy)) == [_reference(model, p, 5) for p in PROMPTS]
+    assert _tokens(engine.generate(PROMPTS, greedy)) == greedy_reference(model, PROMPTS, 5)
     assert engine.vocab_size == VOCAB
     plain = build_engine(
         {

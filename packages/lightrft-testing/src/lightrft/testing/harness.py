@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightrft.testing.models import RegressionTask, TinyRegressor
+from lightrft.testing.models import RegressionTask, TinyRegressor, greedy_reference
 
 __all__ = [
     "assert_states_close", "reference", "train", "train_sync_generate", "upstream_lr_factor",
@@ -297,14 +297,7 @@ def train_sync_generate(
     if rank == 0:  # transformers' generate on the trained weights, prompt by prompt
         reference: Any = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
         reference.load_state_dict(full)
-        expected = []
-        for prompt in [p for chunk in every_prompt for p in chunk]:
-            with torch.no_grad():
-                out = reference.generate(
-                    input_ids=torch.tensor([prompt]), max_new_tokens=6, do_sample=False,
-                    eos_token_id=None, pad_token_id=0,
-                )  # fmt: skip
-            expected.append(out[0, len(prompt) :].tolist())
+        expected = greedy_reference(reference, [p for chunk in every_prompt for p in chunk], 6)
     strategy.close()
     return {
         "engine": type(engine).__name__,

@@ -15,6 +15,7 @@ block class in ``_no_split_modules``, so FSDP2 shards it block by block.
 from __future__ import annotations
 
 import importlib
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -175,6 +176,24 @@ def tiny_hf_causal_lm(**overrides: Any) -> nn.Module:
     config = tiny_qwen2_config(**overrides)
     model: nn.Module = _transformers("tiny_hf_causal_lm").Qwen2ForCausalLM(config)
     return model
+
+
+def greedy_reference(
+    model: Any, prompts: Sequence[Sequence[int]], max_new_tokens: int
+) -> list[list[int]]:
+    """transformers' own ``generate`` of a causal LM, greedy, prompt by prompt (no padding,
+    no stop token), on the model's device: the outputs an engine's greedy generation is
+    checked against."""
+    outputs = []
+    for prompt in prompts:
+        with torch.no_grad():
+            out = model.generate(
+                input_ids=torch.tensor([list(prompt)], device=model.device),
+                max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None,
+                pad_token_id=0,
+            )  # fmt: skip
+        outputs.append(out[0, len(prompt) :].tolist())
+    return outputs
 
 
 def save_tiny_qwen2(path: str | Path, seed: int = 0, **overrides: Any) -> Path:
