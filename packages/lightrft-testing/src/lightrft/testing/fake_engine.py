@@ -49,6 +49,7 @@ from lightrft.engines.protocol import (
     SleepState,
     WeightMismatchError,
     as_sampling_params,
+    check_weight_shapes,
     prompt_token_ids,
 )
 
@@ -232,24 +233,24 @@ class FakeEngine:
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         self._check_open()
         self.state.check_update()
+        batch = list(named_tensors)
+        shapes = self.weight_shapes()
+        if shapes is not None:
+            try:
+                check_weight_shapes(shapes, {n: tuple(t.shape) for n, t in batch}, complete=False)
+            except WeightMismatchError:
+                self._abandon()
+                raise
         count = 0
-        for name, tensor in named_tensors:
+        for name, tensor in batch:
             if self.expected_weights is not None and name not in self.expected_weights:
                 self._abandon()
                 raise WeightMismatchError(unexpected=[name])
             if name in self._pending:
                 self._abandon()
                 raise EngineError(f"update_weights: {name!r} sent twice in one sync")
-            if self.policy is not None:
-                target = self._policy_params.get(name)
-                if target is None:
-                    self._abandon()
-                    raise WeightMismatchError(unexpected=[name])
-                if tuple(tensor.shape) != tuple(target.shape):
-                    self._abandon()
-                    raise WeightMismatchError(
-                        wrong_shape={name: (tuple(tensor.shape), tuple(target.shape))}
-                    )
+            if self.policy is not None:  # names and shapes checked above
+                target = self._policy_params[name]
                 self._pending_tensors[name] = tensor.detach().to(
                     target.device, target.dtype, copy=True
                 )

@@ -290,20 +290,20 @@ class _Reader:
             )
         flat, state = flats[g].detach(), torch_state.get(group["params"][0], {})
         shapes = [tuple(self.shapes[name]) for name in names]
-        if sum(math.prod(shape) for shape in shapes) != flat.numel():
+        needed = sum(math.prod(shape) for shape in shapes)
+        if needed != flat.numel():
             raise CheckpointError(
                 f"{self.tag_dir}: optimizer group {g} holds {flat.numel()} values, its "
-                f"recorded parameters {sum(math.prod(x) for x in shapes)}; the files do not "
-                "belong together"
+                f"recorded parameters {needed}; the files do not belong together"
             )
+        flat_of = {
+            "fp32": flat.reshape(-1),
+            **{k: state[k].reshape(-1) for k in MOMENTS if k in state},
+        }
         masters, states, offset = [], [], 0
         for shape in shapes:
             numel = math.prod(shape)
-            flats_of = {"fp32": flat, **{k: state[k] for k in MOMENTS if k in state}}
-            cut = {
-                k: t.reshape(-1).narrow(0, offset, numel).view(shape).clone()
-                for k, t in flats_of.items()
-            }
+            cut = {k: t.narrow(0, offset, numel).view(shape).clone() for k, t in flat_of.items()}
             masters.append(cut.pop("fp32"))
             states.append({**cut, "step": state.get("step")})
             offset += numel
