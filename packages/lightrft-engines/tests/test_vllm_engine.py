@@ -105,6 +105,43 @@ def _one_process_checks(model_dir: str) -> dict[str, Any]:
         out["interrupted"] = f"{type(exc).__name__}: {exc}"
     strategy.update_engine_weights(model)
     out["after_full_sync"] = len(engine.generate(PROMPTS, greedy))
+
+    def ids(outputs: list[Any]) -> list[list[int]]:
+        return [o.output_token_ids for o in outputs]
+
+    # the stream the strategy uses: a wrong first tensor is refused before vLLM loads it
+    before = ids(engine.generate(PROMPTS, greedy))
+    try:
+        engine.update_weights_stream(iter([("model.embed_tokens.weight", torch.zeros(3, 3))]))
+    except WeightMismatchError as exc:
+        out["stream_bad_shape"] = (str(exc), exc.kept)
+    out["stream_bad_kept"] = ids(engine.generate(PROMPTS, greedy)) == before
+
+    def failing() -> Any:  # a gather that fails after three tensors
+        for i, (name, param) in enumerate(model.named_parameters()):
+            if i == 3:
+                raise RuntimeError("gather failed")
+            yield name, param.detach()
+
+    try:
+        engine.update_weights_stream(failing())
+    except RuntimeError as exc:
+        out["stream_failed"] = str(exc)
+    try:
+        engine.generate(PROMPTS, greedy)
+    except Exception as exc:
+        out["stream_refused"] = f"{type(exc).__name__}: {exc}"
+    # buckets through update_weights (held back to whole layers) load them as well
+    torch.manual_seed(6)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    items = [(n, p.detach()) for n, p in model.named_parameters()]
+    for i in range(0, len(items), 5):
+        engine.update_weights(items[i : i + 5])
+    engine.finish_weight_update()
+    out["bucketed"] = ids(engine.generate(PROMPTS, greedy))
+    out["bucketed_reference"] = reference(PROMPTS)
     engine.shutdown()
     return out
 
@@ -118,7 +155,7 @@ def test_vllm_equals_hf_and_transformers_and_syncs_weights(tiny_model_dir: Path)
     assert r["seeded_repeat"] and r["n_distinct"] > 1
     assert r["n_prompts"] == [p for p in PROMPTS for _ in range(4)]
     assert r["native"] == r["vllm"]
-    assert r["stats"]["buckets"] > 1 and r["stats"]["weight_version"] == 1
+    assert r["stats"]["buckets"] == 1 and r["stats"]["weight_version"] == 1  # one stream
     assert r["stats"]["max_logprob_gap"] < 1e-3
     assert r["synced"] == r["trained_reference"] != r["vllm"]
     assert r["synced_versions"] == [1]
@@ -138,6 +175,12 @@ def test_vllm_equals_hf_and_transformers_and_syncs_weights(tiny_model_dir: Path)
         "(strategy.update_engine_weights) first"
     )
     assert r["after_full_sync"] == 3
+    message, kept = r["stream_bad_shape"]
+    assert "wrong shape: model.embed_tokens.weight sent [3, 3] but" in message and kept is True
+    assert r["stream_bad_kept"]
+    assert r["stream_failed"] == "gather failed"
+    assert r["stream_refused"].startswith("EngineError: generate with stale weights")
+    assert r["bucketed"] == r["bucketed_reference"] != r["synced"]
 
 
 @pytest.mark.distributed

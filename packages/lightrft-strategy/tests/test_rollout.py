@@ -48,6 +48,80 @@ def test_weight_sync_sends_every_parameter_in_buckets_with_mapped_names() -> Non
     assert {r.dtype for r in engine.syncs[-1].values()} == {torch.bfloat16}
 
 
+def test_an_engine_that_pulls_gets_the_whole_sync_in_one_call_tensor_by_tensor() -> None:
+    """An engine with ``update_weights_stream`` (vLLM) gets one call per sync and pulls
+    each tensor, which is gathered only then: no bucket is ever held."""
+    strategy = _single()
+    model = workers.TinyRegressor()
+    engine = strategy.setup_inference_engine(FakeEngine(weight_stream=True))
+    events: list[str] = []
+    gather = strategy.iter_full_parameters
+
+    def logged(m: Any) -> Any:
+        for name, tensor in gather(m):
+            events.append(f"gather {name}")
+            yield name, tensor
+
+    strategy.iter_full_parameters = logged  # type: ignore[method-assign]
+    update = engine.update_weights
+    engine.update_weights = lambda items: (  # type: ignore[method-assign]
+        events.extend(f"load {n}" for n, _ in items),
+        update(items),
+    )
+    counts = strategy.update_engine_weights(
+        model, bucket_bytes=1, name_map=lambda n: None if n.startswith("head.") else f"m.{n}"
+    )
+    params = dict(model.named_parameters())
+    kept = [n for n in params if not n.startswith("head.")]
+    # each tensor is loaded right after its gather (dropped names are gathered, not sent)
+    assert events == [
+        e for n in params for e in (f"gather {n}", f"load m.{n}")[: 2 if n in kept else 1]
+    ]
+    assert {n: r.sha256 for n, r in engine.syncs[-1].items()} == {
+        f"m.{n}": tensor_digest(params[n]) for n in kept
+    }
+    assert (counts["tensors"], counts["buckets"], engine.bucket_sizes) == (
+        len(kept), 1, [len(kept)]
+    )  # fmt: skip
+    assert counts["bytes"] == sum(4 * params[n].numel() for n in kept)
+    assert counts["gather_s"] >= 0 and counts["load_s"] > 0 and counts["weight_version"] == 1
+    strategy.update_engine_weights(model, dtype=torch.bfloat16)
+    assert {r.dtype for r in engine.syncs[-1].values()} == {torch.bfloat16}
+
+
+def test_an_engine_that_stops_pulling_early_is_an_error_and_every_gather_still_runs() -> None:
+    strategy = _single()
+    model = workers.TinyRegressor()
+    engine = FakeEngine()
+    read: list[str] = []
+
+    def two_then_return(named_tensors: Any) -> None:  # a broken engine: stops reading
+        for name, _ in named_tensors:
+            read.append(name)
+            if len(read) == 2:
+                return
+
+    engine.update_weights_stream = two_then_return  # type: ignore[attr-defined]
+    strategy.setup_inference_engine(engine)
+    gathered: list[str] = []
+    gather = strategy.iter_full_parameters
+
+    def counted(m: Any) -> Any:
+        for name, tensor in gather(m):
+            gathered.append(name)  # collective on a sharded model: every rank must run it
+            yield name, tensor
+
+    strategy.iter_full_parameters = counted  # type: ignore[method-assign]
+    total = len(list(model.parameters()))
+    with pytest.raises(
+        EngineError,
+        match=rf"FakeEngine.update_weights_stream returned with {total - 2} tensor\(s\) "
+        "unread: the engine's weights are incomplete",
+    ):
+        strategy.update_engine_weights(model)
+    assert len(read) == 2 and gathered == [n for n, _ in model.named_parameters()]
+
+
 def test_generations_follow_the_synced_weights() -> None:
     """FakeEngine's generations are a function of the weights it holds: a sync of the
     same weights leaves them as they were, a changed weight changes them."""
@@ -249,22 +323,31 @@ BACKENDS = [
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("leader_only", [False, True], ids=["every-rank", "leader-only"])
+@pytest.mark.parametrize(
+    ("leader_only", "stream"),
+    [(False, False), (True, False), (False, True)],
+    ids=["every-rank", "leader-only", "stream"],
+)
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_engine_calls_on_two_ranks_with_a_sharded_model(
-    backend: dict[str, object], leader_only: bool
+    backend: dict[str, object], leader_only: bool, stream: bool
 ) -> None:
     cfg = workers.config(
         engine_tp_size=2, enable_engine_sleep=True, engine_sleep_level=2, **backend
     )
-    r0, r1 = run_distributed(workers.rollout_case, 2, cfg, leader_only, init_process_group=False)
+    r0, r1 = run_distributed(
+        workers.rollout_case, 2, cfg, leader_only, stream, init_process_group=False
+    )
     for r in (r0, r1):
         # each rank gets exactly its own prompts' outputs (n=2 each), in order
         assert r["before"] == r["expected_before"]
         assert r["after"] != r["before"]  # the synced weights changed the generations
         assert r["again"] == r["after"]  # same weights after sleep + resync
         assert r["slept"] is True and "asleep" in r["errors"][0]
-        assert r["syncs"] == 2 and r["counts"]["buckets"] > 1
+        assert r["syncs"] == 2
+        # streamed: one call pulling every gathered tensor; else buckets of 4096 bytes
+        assert (r["counts"]["buckets"] == 1) if stream else (r["counts"]["buckets"] > 1)
+        assert sum(r["buckets"]) == r["counts"]["tensors"] == len(r["record"])
     assert [len(r0["before"]), len(r1["before"])] == [6, 2]
     assert r0["prompts_back"] == [[1, 2, 3]] * 2 + [[4]] * 2 + [[5, 6]] * 2
     # the engine received the full (gathered) tensors, the same on both ranks

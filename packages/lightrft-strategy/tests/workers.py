@@ -260,10 +260,11 @@ def offload_model_case(cfg: dict[str, Any], offload: bool) -> dict[str, Any]:
     return {"losses": losses, "memory": memory, "state": state if rank == 0 else None}
 
 
-def rollout_case(cfg: dict[str, Any], leader_only: bool) -> dict[str, Any]:
+def rollout_case(cfg: dict[str, Any], leader_only: bool, stream: bool = False) -> dict[str, Any]:
     """Engine calls on a sharded model: uneven prompts per rank through
-    gather_and_generate, a weight sync (records vs the full state), sleep level 2
-    (stale weights refused) and the wake, sync, wake order."""
+    gather_and_generate, a weight sync (records vs the full state; ``stream``: to an
+    engine that pulls the tensors in one call), sleep level 2 (stale weights refused)
+    and the wake, sync, wake order."""
     from lightrft.engines import EngineError, SamplingParams
     from lightrft.testing import FakeEngine, tensor_digest
 
@@ -272,7 +273,9 @@ def rollout_case(cfg: dict[str, Any], leader_only: bool) -> dict[str, Any]:
         model = TinyRegressor()
     (actor, _, _), *_ = strategy.prepare_models_and_optimizers(model, None, None, None, None, 10)
     names = [n for n, _ in TinyRegressor().named_parameters()]
-    engine = FakeEngine(expected_weights=names, generate_on_every_rank=not leader_only)
+    engine = FakeEngine(
+        expected_weights=names, generate_on_every_rank=not leader_only, weight_stream=stream
+    )
     strategy.setup_inference_engine(engine)
     rank = strategy.get_rank()
     prompts = [[1, 2, 3], [4], [5, 6]] if rank == 0 else [[7, 8]]

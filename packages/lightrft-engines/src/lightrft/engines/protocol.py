@@ -14,8 +14,15 @@ Besides the required members of :class:`InferenceEngine`, an engine may offer (t
 strategy uses them when present): ``vocab_size`` and ``max_model_len`` (prompts are
 checked against them before any rank generates), ``weight_shapes()`` (name -> shape of
 every parameter a sync must send: names and shapes are checked before the first
-bucket), ``weight_version`` (finished syncs), and ``state`` (its :class:`SleepState`:
-the strategy's engine calls then wake a sleeping engine themselves, only what sleeps).
+bucket), ``weight_version`` (finished syncs), ``state`` (its :class:`SleepState`:
+the strategy's engine calls then wake a sleeping engine themselves, only what sleeps),
+and ``update_weights_stream(named_tensors)``: one whole sync in one call, the engine
+pulling each ``(name, full tensor)`` from the iterable as it loads it. The strategy then
+hands it a lazy iterable, so each tensor is gathered only when the engine asks for it
+and no bucket is held (instead of ``update_weights`` per bucket and
+``finish_weight_update``). The engine must read the iterable to its end or raise; the
+weights count as synced when the call returns; the tensors follow
+:meth:`InferenceEngine.update_weights`' rules (copy, never modify, keep no reference).
 """
 
 from __future__ import annotations

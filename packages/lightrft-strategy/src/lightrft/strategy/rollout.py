@@ -157,9 +157,11 @@ class InferenceEngineCalls:
     ) -> dict[str, Any]:
         """Send ``model``'s full weights to the engine, gathered one tensor at a time and
         streamed in buckets of at most ``bucket_bytes`` (a tensor larger than that goes
-        alone). ``name_map`` renames a training name to the engine's (None drops it);
-        ``dtype`` casts floating-point tensors. Collective. A sleeping engine is woken
-        (weights, then the sync, then its KV cache) and left awake, as upstream's.
+        alone); to an engine with ``update_weights_stream`` (vLLM) in one call that pulls
+        each tensor as it loads it (``bucket_bytes`` unused). ``name_map`` renames a
+        training name to the engine's (None drops it); ``dtype`` casts floating-point
+        tensors. Collective. A sleeping engine is woken (weights, then the sync, then its
+        KV cache) and left awake, as upstream's.
 
         When the engine lists its parameters (``weight_shapes()``), names and shapes are
         checked before the first bucket: a missing, extra or wrongly shaped name raises
@@ -167,9 +169,10 @@ class InferenceEngineCalls:
         keeps its weights. ``verify`` (default: the config's ``verify_engine_sync``)
         then checks the engine against the trainer with :meth:`verify_engine_weights`.
 
-        Returns ``tensors``, ``buckets``, ``bytes``, ``gather_s`` (gathering full
-        tensors), ``load_s`` (inside the engine's ``update_weights`` and
-        ``finish_weight_update``) and ``weight_version`` (the engine's, when it has
+        Returns ``tensors``, ``buckets`` (the engine calls that carried tensors: 1 for a
+        stream), ``bytes``, ``gather_s`` (gathering full tensors), ``load_s`` (inside
+        the engine's ``update_weights`` and ``finish_weight_update``, or its stream call
+        less the pulls' gathering) and ``weight_version`` (the engine's, when it has
         one); with ``verify``, also ``max_logprob_gap``."""
         engine = self._require_engine("update_engine_weights")
         if bucket_bytes < 1:
@@ -187,44 +190,31 @@ class InferenceEngineCalls:
         # broadcasting (whole, with one wake_up()); here in the order a level-2 sleep
         # needs: the weights, the sync, then the KV cache
         self._wake(["weights"], blind=False)
-        bucket: list[tuple[str, torch.Tensor]] = []
-        size = tensors = buckets = total = 0
-        load_s = 0.0
+        counts = {"tensors": 0, "bytes": 0}
+
+        def full_tensors() -> Iterator[tuple[str, torch.Tensor]]:
+            for name, tensor in self.iter_full_parameters(model):
+                target = name_map(name) if name_map is not None else name
+                if target is None:
+                    continue
+                value = tensor.detach()
+                if dtype is not None and value.is_floating_point():
+                    value = value.to(dtype)
+                counts["tensors"] += 1
+                counts["bytes"] += value.numel() * value.element_size()
+                yield target, value
+
         started = time.perf_counter()
-
-        def send(items: list[tuple[str, torch.Tensor]]) -> None:
-            nonlocal load_s
-            t0 = time.perf_counter()
-            engine.update_weights(items)
-            load_s += time.perf_counter() - t0
-
-        for name, tensor in self.iter_full_parameters(model):
-            target = name_map(name) if name_map is not None else name
-            if target is None:
-                continue
-            value = tensor.detach()
-            if dtype is not None and value.is_floating_point():
-                value = value.to(dtype)
-            nbytes = value.numel() * value.element_size()
-            if bucket and size + nbytes > bucket_bytes:
-                send(bucket)
-                buckets += 1
-                bucket, size = [], 0
-            bucket.append((target, value))
-            size += nbytes
-            total += nbytes
-            tensors += 1
-        if bucket:
-            send(bucket)
-            buckets += 1
-        t0 = time.perf_counter()
-        engine.finish_weight_update()
-        load_s += time.perf_counter() - t0
+        stream = getattr(engine, "update_weights_stream", None)
+        if callable(stream):
+            buckets, load_s = 1, self._stream_weights(engine, stream, full_tensors())
+        else:
+            buckets, load_s = self._send_buckets(engine, full_tensors(), bucket_bytes)
         self._wake(["kv_cache"], blind=False)
         stats: dict[str, Any] = {
-            "tensors": tensors,
+            "tensors": counts["tensors"],
             "buckets": buckets,
-            "bytes": total,
+            "bytes": counts["bytes"],
             "gather_s": time.perf_counter() - started - load_s,
             "load_s": load_s,
             "weight_version": getattr(engine, "weight_version", None),
@@ -232,6 +222,70 @@ class InferenceEngineCalls:
         if self.config.verify_engine_sync if verify is None else verify:
             stats.update(self.verify_engine_weights(model))
         return stats
+
+    @staticmethod
+    def _send_buckets(
+        engine: Any, tensors: Iterator[tuple[str, torch.Tensor]], bucket_bytes: int
+    ) -> tuple[int, float]:
+        """``engine.update_weights`` per bucket of at most ``bucket_bytes`` (a larger
+        tensor alone), then ``finish_weight_update``: (buckets, seconds in the engine)."""
+        load_s = 0.0
+        buckets = size = 0
+        bucket: list[tuple[str, torch.Tensor]] = []
+
+        def send() -> None:
+            nonlocal load_s, buckets, bucket, size
+            t0 = time.perf_counter()
+            engine.update_weights(bucket)
+            load_s += time.perf_counter() - t0
+            buckets += 1
+            bucket, size = [], 0
+
+        for name, value in tensors:
+            nbytes = value.numel() * value.element_size()
+            if bucket and size + nbytes > bucket_bytes:
+                send()
+            bucket.append((name, value))
+            size += nbytes
+        if bucket:
+            send()
+        t0 = time.perf_counter()
+        engine.finish_weight_update()
+        return buckets, load_s + time.perf_counter() - t0
+
+    @staticmethod
+    def _stream_weights(
+        engine: Any, stream: Callable[..., None], tensors: Iterator[tuple[str, torch.Tensor]]
+    ) -> float:
+        """The whole sync in one ``engine.update_weights_stream`` call that pulls each
+        tensor from ``tensors`` (gathered as it is pulled): the seconds in the engine,
+        the pulls' gathering excluded. An engine that returns without reading every
+        tensor is an error: the rest are drained first (gathering is collective, so
+        every rank does its part) and counted in the message."""
+        pulled = 0.0
+
+        def timed() -> Iterator[tuple[str, torch.Tensor]]:
+            nonlocal pulled
+            while True:
+                t0 = time.perf_counter()
+                item = next(tensors, None)
+                pulled += time.perf_counter() - t0
+                if item is None:
+                    return
+                yield item
+
+        t0 = time.perf_counter()
+        stream(timed())
+        load_s = time.perf_counter() - t0 - pulled
+        unread = sum(1 for _ in tensors)
+        if unread:
+            protocol = _protocol()
+            raise protocol.EngineError(
+                f"{type(engine).__name__}.update_weights_stream returned with {unread} "
+                "tensor(s) unread: the engine's weights are incomplete; it must read the "
+                "iterable to its end or raise"
+            )
+        return load_s
 
     def verify_engine_weights(
         self,

@@ -103,6 +103,9 @@ class FakeEngine:
         policy: a causal LM to sample completions from (see the module docstring); its
             parameter names are then the names a sync must send (``expected_weights``),
             with their shapes.
+        weight_stream: offer ``update_weights_stream`` (one call per sync pulling the
+            tensors, as the vLLM adapter does), so the strategy streams to it instead
+            of sending buckets.
     """
 
     def __init__(
@@ -112,6 +115,7 @@ class FakeEngine:
         supports_sleep: bool = True,
         generate_on_every_rank: bool = True,
         policy: nn.Module | None = None,
+        weight_stream: bool = False,
     ) -> None:
         if vocab_size < 2:
             raise ValueError(f"FakeEngine vocab_size={vocab_size} must be >= 2")
@@ -143,13 +147,15 @@ class FakeEngine:
         self.closed = False
         self._pending: dict[str, WeightRecord] = {}
         self._pending_tensors: dict[str, torch.Tensor] = {}
+        if weight_stream:  # an optional protocol member: present only when offered
+            self.update_weights_stream = self._update_weights_stream
 
     # -- generation ------------------------------------------------------------------------
     @classmethod
     def from_spec(cls, spec: EngineSpec) -> FakeEngine:
         """``build_engine(config, engine_type="fake")``: the spec's native options
         (``vocab_size``, ``expected_weights``, ``supports_sleep``,
-        ``generate_on_every_rank``) are the constructor's arguments; without
+        ``generate_on_every_rank``, ``weight_stream``) are the constructor's arguments; without
         ``vocab_size``, that of the model the spec names (its ``config.json``), so the
         token ids fit the model being trained."""
         options = dict(spec.native)
@@ -259,6 +265,17 @@ class FakeEngine:
             )
             count += 1
         self._pending_buckets.append(count)
+
+    def _update_weights_stream(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """``update_weights_stream`` (with ``weight_stream=True``): a whole sync in one
+        call, each tensor checked as it is pulled; :attr:`bucket_sizes` is then one
+        entry (this call)."""
+        self._check_open()
+        self._abandon()  # a whole sync of its own: nothing staged before it counts
+        for item in named_tensors:
+            self.update_weights([item])
+        self._pending_buckets = [len(self._pending)]
+        self.finish_weight_update()
 
     def _abandon(self) -> None:
         """A refused sync leaves nothing staged (the weights held stay as they were)."""
