@@ -21,6 +21,8 @@ PROMPTS = [[5, 17, 99, 3], [42], [7, 7, 7, 7, 7, 7, 7]]
 
 
 def _one_process_checks(model_dir: str) -> dict[str, Any]:
+    import logging
+
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -32,9 +34,17 @@ def _one_process_checks(model_dir: str) -> dict[str, Any]:
     )
     from lightrft.strategy import get_strategy
 
+    warnings: list[str] = []  # what lightrft logs at WARNING and above, from the build on
+
+    class Collect(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            warnings.append(record.getMessage())
+
+    logging.getLogger("lightrft").addHandler(Collect(logging.WARNING))
     args = {"engine_type": "vllm", "pretrain": model_dir, "bf16": False, "device": "cpu",
             "engine_max_model_len": 64, "seed": 0}  # fmt: skip
-    engine = build_engine(args)
+    # sleep asked for: vLLM's CPU build has none, so the engine stays awake
+    engine = build_engine({**args, "enable_engine_sleep": True, "engine_sleep_level": 1})
     hf = build_engine({**args, "engine_type": "hf"})
     greedy = SamplingParams(max_new_tokens=8, temperature=0, logprobs=True)
     out: dict[str, Any] = {"engine": type(engine).__name__, "sleep": engine.supports_sleep}
@@ -64,8 +74,11 @@ def _one_process_checks(model_dir: str) -> dict[str, Any]:
     out["native"] = [o.output_token_ids for o in native]
     # a sync from a changed model, through a world-of-one strategy (upstream's call)
     strategy = get_strategy({"backend": "fake", "precision": "fp32", "device": "cpu",
-                             "train_batch_size": 1, "micro_train_batch_size": 1})  # fmt: skip
+                             "train_batch_size": 1, "micro_train_batch_size": 1,
+                             "enable_engine_sleep": True})  # fmt: skip
     strategy.setup_inference_engine(engine)
+    out["slept"] = [strategy.maybe_sleep_inference_engine() for _ in range(2)]
+    out["sleep_warnings"] = [w for w in warnings if "sleep" in w]
     torch.manual_seed(5)
     with torch.no_grad():
         for p in model.parameters():
@@ -82,12 +95,14 @@ def _one_process_checks(model_dir: str) -> dict[str, Any]:
     except WeightMismatchError as exc:
         errors["names"] = str(exc)
     out["kept"] = [o.output_token_ids for o in engine.generate(PROMPTS, greedy)] == out["synced"]
-    with torch.no_grad():  # train on, do not sync: verification must catch it
+    with torch.no_grad():  # train on, and skip the sync: the verification flag catches it
         model.lm_head.weight.add_(0.1)
+    engine.update_weights_stream = lambda tensors: [None for _ in tensors]  # loads nothing
     try:
-        strategy.verify_engine_weights(model)
+        strategy.update_engine_weights(model, verify=True)
     except Exception as exc:
         errors["stale"] = f"{type(exc).__name__}: {exc}"
+    del engine.update_weights_stream
     for label, prompts in {"empty": [[1], []], "vocab": [[128]], "long": [[1] * 60]}.items():
         try:
             engine.generate(prompts, SamplingParams(max_new_tokens=8))
@@ -150,6 +165,9 @@ def test_vllm_equals_hf_and_transformers_and_syncs_weights(tiny_model_dir: Path)
     r = run_distributed(_one_process_checks, 1, str(tiny_model_dir), init_process_group=False,
                         timeout=600)[0]  # fmt: skip
     assert r["engine"] == "VLLMEngine" and r["sleep"] is False  # no sleep mode on CPU
+    assert r["slept"] == [False, False]  # the strategy skips sleeping, and says so once:
+    [warning] = r["sleep_warnings"]
+    assert "VLLMEngine cannot sleep here; the strategy skips sleeping" in warning
     assert r["vllm"] == r["hf"] == r["transformers"]
     assert r["logprob_gap"] < 1e-3
     assert r["seeded_repeat"] and r["n_distinct"] > 1
@@ -161,6 +179,7 @@ def test_vllm_equals_hf_and_transformers_and_syncs_weights(tiny_model_dir: Path)
     assert r["synced_versions"] == [1]
     errors = r["errors"]
     assert "m.embed_tokens.weight" in errors["names"] and r["kept"]
+    assert errors["stale"].startswith("EngineError: ")
     assert "the engine's weights are not the trainer's" in errors["stale"]
     assert "prompt 1: a prompt is a non-empty list" in errors["empty"]
     assert "token id 128 (position 0) is outside the vocabulary of 128" in errors["vocab"]

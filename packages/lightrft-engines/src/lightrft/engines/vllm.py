@@ -170,7 +170,9 @@ class VLLMEngine:
         sleep_available = bool(getattr(current_platform, "is_sleep_mode_available", bool)())
         sleep_mode = spec.sleep_level is not None and sleep_available
         if spec.sleep_level is not None and not sleep_available:
-            logger.warning(
+            # debug only: supports_sleep is False, and the strategy says once (a warning)
+            # that it skips sleeping, the one line a user sees
+            logger.debug(
                 "vLLM has no sleep mode on this platform (%s): the engine stays awake",
                 type(current_platform).__name__,
             )
