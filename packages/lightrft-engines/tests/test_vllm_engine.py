@@ -132,20 +132,28 @@ def _one_process_checks(model_dir: str) -> dict[str, Any]:
         out["stream_bad_shape"] = (str(exc), exc.kept)
     out["stream_bad_kept"] = ids(engine.generate(PROMPTS, greedy)) == before
 
-    def failing() -> Any:  # a gather that fails after three tensors
+    def failing(after: int) -> Any:  # a gather that fails after `after` tensors
         for i, (name, param) in enumerate(model.named_parameters()):
-            if i == 3:
-                raise RuntimeError("gather failed")
+            if i == after:
+                raise RuntimeError(f"gather failed after {after}")
             yield name, param.detach()
 
-    try:
-        engine.update_weights_stream(failing())
+    try:  # before vLLM got a tensor: its reload call put every layer back
+        engine.update_weights_stream(failing(0))
+    except RuntimeError as exc:
+        out["stream_failed_first"] = str(exc)
+    out["stream_failed_first_kept"] = ids(engine.generate(PROMPTS, greedy)) == before
+    try:  # after three: the weights are mixed, generation is refused
+        engine.update_weights_stream(failing(3))
     except RuntimeError as exc:
         out["stream_failed"] = str(exc)
     try:
         engine.generate(PROMPTS, greedy)
     except Exception as exc:
         out["stream_refused"] = f"{type(exc).__name__}: {exc}"
+    strategy.update_engine_weights(model)  # a full stream serves again, from these weights
+    out["restreamed"] = ids(engine.generate(PROMPTS, greedy))
+    out["restreamed_reference"] = reference(PROMPTS)
     # buckets through update_weights (held back to whole layers) load them as well
     torch.manual_seed(6)
     with torch.no_grad():
@@ -197,8 +205,10 @@ def test_vllm_equals_hf_and_transformers_and_syncs_weights(tiny_model_dir: Path)
     message, kept = r["stream_bad_shape"]
     assert "wrong shape: model.embed_tokens.weight sent [3, 3] but" in message and kept is True
     assert r["stream_bad_kept"]
-    assert r["stream_failed"] == "gather failed"
+    assert r["stream_failed_first"] == "gather failed after 0" and r["stream_failed_first_kept"]
+    assert r["stream_failed"] == "gather failed after 3"
     assert r["stream_refused"].startswith("EngineError: generate with stale weights")
+    assert r["restreamed"] == r["restreamed_reference"]
     assert r["bucketed"] == r["bucketed_reference"] != r["synced"]
 
 

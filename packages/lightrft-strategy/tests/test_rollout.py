@@ -89,6 +89,19 @@ def test_an_engine_that_pulls_gets_the_whole_sync_in_one_call_tensor_by_tensor()
     assert {r.dtype for r in engine.syncs[-1].values()} == {torch.bfloat16}
 
 
+def test_two_parameters_mapped_to_one_engine_name_are_refused_before_any_gather() -> None:
+    strategy = _single()
+    model = workers.TinyRegressor()
+    engine = strategy.setup_inference_engine(FakeEngine(weight_stream=True))
+    with pytest.raises(
+        ValueError, match=r"name_map maps both 'head.weight' and 'head.bias' to 'head'"
+    ):
+        strategy.update_engine_weights(
+            model, name_map=lambda n: n.split(".")[0] if "head" in n else n
+        )
+    assert engine.syncs == [] and not engine.state.weights_stale
+
+
 def test_an_engine_that_stops_pulling_early_is_an_error_and_every_gather_still_runs() -> None:
     strategy = _single()
     model = workers.TinyRegressor()
@@ -354,6 +367,23 @@ def test_engine_calls_on_two_ranks_with_a_sharded_model(
     assert r0["record"] == r1["record"] == {n: v for n, v in r0["full"].items()}
     calls = [r0["generate_calls"], r1["generate_calls"]]
     assert calls == ([3, 0] if leader_only else [3, 3])
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("stream", [False, True], ids=["buckets", "stream"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_an_engine_failing_on_one_rank_does_not_hang_the_others(
+    backend: dict[str, object], stream: bool
+) -> None:
+    """Rank 1's engine raises mid-sync: rank 1 still gathers the rest (each gather of a
+    sharded parameter is a collective), so rank 0 completes its sync."""
+    cfg = workers.config(**backend)
+    r0, r1 = run_distributed(
+        workers.one_engine_fails_case, 2, cfg, stream, init_process_group=False, timeout=120
+    )
+    total = len(list(workers.TinyRegressor().parameters()))
+    assert (r0["error"], r0["syncs"], r0["taken"]) == ("", 1, total)
+    assert (r1["error"], r1["syncs"], r1["taken"]) == ("the engine failed on rank 1", 0, 3)
 
 
 @pytest.mark.distributed

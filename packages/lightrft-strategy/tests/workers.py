@@ -316,6 +316,41 @@ def rollout_case(cfg: dict[str, Any], leader_only: bool, stream: bool = False) -
     }
 
 
+def one_engine_fails_case(cfg: dict[str, Any], stream: bool) -> dict[str, Any]:
+    """A sync whose engine raises on rank 1 alone, after two tensors: rank 1 must still
+    take part in every remaining gather (collective on a sharded model), so rank 0's
+    sync completes instead of hanging."""
+    from lightrft.engines import EngineError
+    from lightrft.testing import FakeEngine
+
+    strategy = get_strategy(cfg)
+    with strategy.init_model_context():
+        model = TinyRegressor()
+    (actor, _, _), *_ = strategy.prepare_models_and_optimizers(model, None, None, None, None, 10)
+    engine = FakeEngine(weight_stream=stream)
+    strategy.setup_inference_engine(engine)
+    rank = strategy.get_rank()
+    taken: list[str] = []
+    update = engine.update_weights
+
+    def failing_on_rank_1(items: Any) -> None:
+        items = list(items)
+        taken.extend(n for n, _ in items)
+        if rank == 1 and len(taken) > 2:
+            raise EngineError("the engine failed on rank 1")
+        update(items)
+
+    engine.update_weights = failing_on_rank_1  # type: ignore[method-assign]
+    error = ""
+    try:
+        strategy.update_engine_weights(actor, bucket_bytes=1)  # one tensor per bucket
+    except EngineError as exc:
+        error = str(exc)
+    result = {"error": error, "syncs": len(engine.syncs), "taken": len(taken)}
+    strategy.close()
+    return result
+
+
 #: Each first use of a deferred strategy that depends on the world, by name.
 DEFERRED_USES: dict[str, Any] = {
     "init_model_context": lambda s, m: s.init_model_context().__enter__(),

@@ -333,17 +333,20 @@ class VLLMEngine:
         ``named_tensors`` as it loads it: a lazy iterable (the strategy's gather) is
         gathered only as vLLM asks, no bucket is held back, and vLLM walks the model once
         per sync instead of once per bucket (each reload call walks every module: about
-        10 ms at 24 layers on CPU). Names and shapes are checked tensor by tensor. An
-        error from the iterable or a check ends the iteration, so vLLM finishes its
-        reload call cleanly (an exception inside it would leave layers half reloaded),
-        and is raised after it: nothing loaded yet -> the weights are kept; else they are
-        stale until a full sync, as after an interrupted bucketed sync."""
+        10 ms at 24 layers on CPU). Names and shapes are checked tensor by tensor.
+
+        vLLM's reload call first moves every layer to the meta device and puts back what
+        was not loaded only when it finishes, so the weights count as stale from the
+        start of the call. An error from the iterable or a check (an interrupt too) ends
+        the iteration, so vLLM finishes its call cleanly, and is raised after it: with
+        nothing loaded yet the weights are as they were (stale only if they were
+        before); else stale until a full sync, as after an interrupted bucketed sync."""
         self._check_open()
         self.state.check_update()
         self._pending.clear()  # a stream is a whole sync of its own
         self._loaded.clear()
         sent: set[str] = set()
-        failure: list[Exception] = []
+        failure: list[BaseException] = []
         finished = False
 
         def feed() -> Iterable[tuple[str, torch.Tensor]]:
@@ -355,17 +358,21 @@ class VLLMEngine:
                         check_weight_shapes(self._shapes, shape, complete=False)
                     if name in sent:
                         raise EngineError(f"update_weights_stream: {name!r} sent twice in one sync")
-                    if not sent:
-                        self.state.weights_changing()  # old and new mixed until the end
                     sent.add(name)
                     yield name, tensor
                     if name in self._tied:
                         yield self._tied[name], tensor
                 finished = True
-            except Exception as exc:  # raised after vLLM's reload call has finished
+            except GeneratorExit:  # closed by its owner: nothing to hand over
+                raise
+            except BaseException as exc:  # raised after vLLM's reload call has finished
                 failure.append(exc)
 
+        was_stale = self.state.weights_stale
+        self.state.weights_changing()  # if vLLM's call raises, its layers may be on meta
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": feed()})
+        if not sent and not was_stale:
+            self.state.weights_synced()  # nothing loaded: vLLM put every layer back
         if failure:
             if isinstance(failure[0], WeightMismatchError):
                 exc = failure[0]

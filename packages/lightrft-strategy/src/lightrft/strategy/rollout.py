@@ -9,6 +9,7 @@ engine's tensor-parallel groups (``engine_tp_size`` consecutive ranks).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import re
 import time
@@ -39,6 +40,25 @@ def _protocol() -> Any:
             "pip install 'lightrft-strategy[engines]'"
         ) from exc
     return protocol
+
+
+def _drain(tensors: Iterator[tuple[str, torch.Tensor]]) -> int:
+    """Gather and drop what is left of a sync's tensors (each gather may be a collective
+    the other ranks take part in); how many there were."""
+    return sum(1 for _ in tensors)
+
+
+@contextlib.contextmanager
+def _drained_on_engine_error(tensors: Iterator[tuple[str, torch.Tensor]]) -> Iterator[None]:
+    """Around an engine call within a sync: if the engine raises (an error of its own,
+    perhaps on this rank alone), the rest of the sync's tensors are gathered and dropped
+    before the error propagates, so the other ranks' gathers are not left waiting."""
+    try:
+        yield
+    except Exception:
+        with contextlib.suppress(Exception):
+            _drain(tensors)
+        raise
 
 
 class InferenceEngineCalls:
@@ -177,14 +197,22 @@ class InferenceEngineCalls:
         engine = self._require_engine("update_engine_weights")
         if bucket_bytes < 1:
             raise ValueError(f"bucket_bytes={bucket_bytes} must be >= 1")
+        sent: dict[str, tuple[int, ...]] = {}
+        source: dict[str, str] = {}
+        for name, param in self.unwrap_model(model).named_parameters():
+            target = name_map(name) if name_map is not None else name
+            if target is None:
+                continue
+            if target in source:
+                raise ValueError(
+                    f"name_map maps both {source[target]!r} and {name!r} to {target!r}: each "
+                    "engine name must come from one parameter (map one of them to None to "
+                    "drop it)"
+                )
+            source[target], sent[target] = name, _full_shape(param)
         shapes = getattr(engine, "weight_shapes", None)
         expected = shapes() if callable(shapes) else None  # None: the engine cannot tell
         if expected is not None:
-            sent: dict[str, tuple[int, ...]] = {}
-            for name, param in self.unwrap_model(model).named_parameters():
-                target = name_map(name) if name_map is not None else name
-                if target is not None:
-                    sent[target] = _full_shape(param)
             _protocol().check_weight_shapes(expected, sent)
         # a sleeping engine is woken, as upstream's update_engine_weights wakes it before
         # broadcasting (whole, with one wake_up()); here in the order a level-2 sleep
@@ -207,7 +235,8 @@ class InferenceEngineCalls:
         started = time.perf_counter()
         stream = getattr(engine, "update_weights_stream", None)
         if callable(stream):
-            buckets, load_s = 1, self._stream_weights(engine, stream, full_tensors())
+            load_s = self._stream_weights(engine, stream, full_tensors())
+            buckets = 1 if counts["tensors"] else 0
         else:
             buckets, load_s = self._send_buckets(engine, full_tensors(), bucket_bytes)
         self._wake(["kv_cache"], blind=False)
@@ -236,7 +265,8 @@ class InferenceEngineCalls:
         def send() -> None:
             nonlocal load_s, buckets, bucket, size
             t0 = time.perf_counter()
-            engine.update_weights(bucket)
+            with _drained_on_engine_error(tensors):
+                engine.update_weights(bucket)
             load_s += time.perf_counter() - t0
             buckets += 1
             bucket, size = [], 0
@@ -260,24 +290,37 @@ class InferenceEngineCalls:
         """The whole sync in one ``engine.update_weights_stream`` call that pulls each
         tensor from ``tensors`` (gathered as it is pulled): the seconds in the engine,
         the pulls' gathering excluded. An engine that returns without reading every
-        tensor is an error: the rest are drained first (gathering is collective, so
-        every rank does its part) and counted in the message."""
+        tensor is an error, counted in the message; before it is raised, and before an
+        error of the engine's own propagates, the rest are gathered and dropped
+        (gathering is collective: a rank whose engine failed alone still does its part,
+        so the others do not hang)."""
         pulled = 0.0
+        gather_failed = False
 
         def timed() -> Iterator[tuple[str, torch.Tensor]]:
-            nonlocal pulled
+            nonlocal pulled, gather_failed
             while True:
                 t0 = time.perf_counter()
-                item = next(tensors, None)
+                try:
+                    item = next(tensors, None)
+                except BaseException:
+                    gather_failed = True
+                    raise
                 pulled += time.perf_counter() - t0
                 if item is None:
                     return
                 yield item
 
         t0 = time.perf_counter()
-        stream(timed())
+        try:
+            stream(timed())
+        except Exception:
+            if not gather_failed:  # the engine's own error, perhaps on this rank alone
+                with contextlib.suppress(Exception):
+                    _drain(tensors)
+            raise
         load_s = time.perf_counter() - t0 - pulled
-        unread = sum(1 for _ in tensors)
+        unread = _drain(tensors)
         if unread:
             protocol = _protocol()
             raise protocol.EngineError(

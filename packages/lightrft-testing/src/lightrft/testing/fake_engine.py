@@ -271,9 +271,14 @@ class FakeEngine:
         call, each tensor checked as it is pulled; :attr:`bucket_sizes` is then one
         entry (this call)."""
         self._check_open()
+        self.state.check_update()
         self._abandon()  # a whole sync of its own: nothing staged before it counts
-        for item in named_tensors:
-            self.update_weights([item])
+        try:
+            for item in named_tensors:
+                self.update_weights([item])
+        except BaseException:
+            self._abandon()  # a failed stream leaves nothing staged
+            raise
         self._pending_buckets = [len(self._pending)]
         self.finish_weight_update()
 
