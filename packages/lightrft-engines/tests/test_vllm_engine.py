@@ -89,6 +89,10 @@ def _one_process_checks(model_dir: str) -> dict[str, Any]:
     out["synced"] = [o.output_token_ids for o in synced]
     out["synced_versions"] = sorted({o.weight_version for o in synced})
     out["trained_reference"] = reference(PROMPTS)
+    upstream = strategy.gather_and_generate(  # upstream's form, vLLM's own sampling params
+        VllmSampling(max_tokens=8, temperature=0), all_prompt_token_ids=PROMPTS
+    )
+    out["upstream_form"] = [(o.prompt_token_ids, o.output_token_ids) for o in upstream]
     errors = {}
     try:
         strategy.update_engine_weights(model, name_map=lambda n: n.replace("model.", "m."))
@@ -185,6 +189,7 @@ def test_vllm_equals_hf_and_transformers_and_syncs_weights(tiny_model_dir: Path)
     assert r["stats"]["max_logprob_gap"] < 1e-3
     assert r["synced"] == r["trained_reference"] != r["vllm"]
     assert r["synced_versions"] == [1]
+    assert r["upstream_form"] == list(zip(PROMPTS, r["synced"], strict=True))
     errors = r["errors"]
     assert "m.embed_tokens.weight" in errors["names"] and r["kept"]
     assert errors["stale"].startswith("EngineError: ")
