@@ -40,7 +40,7 @@ import inspect
 import logging
 import os
 import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -311,8 +311,19 @@ class VLLMEngine:
             self._loaded.update(ready)
 
     def _reload(self, weights: list[tuple[str, torch.Tensor]]) -> None:
-        weights = weights + [(self._tied[n], t) for n, t in weights if n in self._tied]
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(weights)})
+        self.llm.collective_rpc(
+            "reload_weights", kwargs={"weights_iterator": self._with_tied(weights)}
+        )
+
+    def _with_tied(
+        self, weights: Iterable[tuple[str, torch.Tensor]]
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """Each weight, and right after a tied one its copy under the output layer's
+        name (without it vLLM's reload leaves that layer on the old weights)."""
+        for name, tensor in weights:
+            yield name, tensor
+            if name in self._tied:
+                yield self._tied[name], tensor
 
     def finish_weight_update(self) -> None:
         self._check_open()
@@ -359,9 +370,7 @@ class VLLMEngine:
                     if name in sent:
                         raise EngineError(f"update_weights_stream: {name!r} sent twice in one sync")
                     sent.add(name)
-                    yield name, tensor
-                    if name in self._tied:
-                        yield self._tied[name], tensor
+                    yield from self._with_tied([(name, tensor)])
                 finished = True
             except GeneratorExit:  # closed by its owner: nothing to hand over
                 raise

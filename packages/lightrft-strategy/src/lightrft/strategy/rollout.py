@@ -42,23 +42,47 @@ def _protocol() -> Any:
     return protocol
 
 
-def _drain(tensors: Iterator[tuple[str, torch.Tensor]]) -> int:
-    """Gather and drop what is left of a sync's tensors (each gather may be a collective
-    the other ranks take part in); how many there were."""
-    return sum(1 for _ in tensors)
+class _SyncTensors:
+    """The tensors of one weight sync, each gathered as it is pulled (a gather may be a
+    collective the other ranks take part in): counts the seconds spent pulling,
+    remembers whether a gather raised, and drains what is left."""
 
+    def __init__(self, tensors: Iterator[tuple[str, torch.Tensor]]) -> None:
+        self._tensors = tensors
+        self.pulled_s = 0.0
+        self.gather_failed = False
 
-@contextlib.contextmanager
-def _drained_on_engine_error(tensors: Iterator[tuple[str, torch.Tensor]]) -> Iterator[None]:
-    """Around an engine call within a sync: if the engine raises (an error of its own,
-    perhaps on this rank alone), the rest of the sync's tensors are gathered and dropped
-    before the error propagates, so the other ranks' gathers are not left waiting."""
-    try:
-        yield
-    except Exception:
-        with contextlib.suppress(Exception):
-            _drain(tensors)
-        raise
+    def __iter__(self) -> _SyncTensors:
+        return self
+
+    def __next__(self) -> tuple[str, torch.Tensor]:
+        t0 = time.perf_counter()
+        try:
+            return next(self._tensors)
+        except StopIteration:
+            raise
+        except BaseException:
+            self.gather_failed = True
+            raise
+        finally:
+            self.pulled_s += time.perf_counter() - t0
+
+    def drain(self) -> int:
+        """Gather and drop what is left, so this rank still takes part in every gather
+        (none after a gather failed: it is not retried); how many there were."""
+        return 0 if self.gather_failed else sum(1 for _ in self)
+
+    @contextlib.contextmanager
+    def drained_on_error(self) -> Iterator[None]:
+        """Around an engine call within the sync: if the engine raises (an error of its
+        own, perhaps on this rank alone), the rest is drained before the error
+        propagates, so the other ranks' gathers are not left waiting."""
+        try:
+            yield
+        except Exception:
+            with contextlib.suppress(Exception):
+                self.drain()
+            raise
 
 
 class InferenceEngineCalls:
@@ -235,10 +259,10 @@ class InferenceEngineCalls:
         started = time.perf_counter()
         stream = getattr(engine, "update_weights_stream", None)
         if callable(stream):
-            load_s = self._stream_weights(engine, stream, full_tensors())
+            load_s = self._stream_weights(engine, stream, _SyncTensors(full_tensors()))
             buckets = 1 if counts["tensors"] else 0
         else:
-            buckets, load_s = self._send_buckets(engine, full_tensors(), bucket_bytes)
+            buckets, load_s = self._send_buckets(engine, _SyncTensors(full_tensors()), bucket_bytes)
         self._wake(["kv_cache"], blind=False)
         stats: dict[str, Any] = {
             "tensors": counts["tensors"],
@@ -253,9 +277,7 @@ class InferenceEngineCalls:
         return stats
 
     @staticmethod
-    def _send_buckets(
-        engine: Any, tensors: Iterator[tuple[str, torch.Tensor]], bucket_bytes: int
-    ) -> tuple[int, float]:
+    def _send_buckets(engine: Any, tensors: _SyncTensors, bucket_bytes: int) -> tuple[int, float]:
         """``engine.update_weights`` per bucket of at most ``bucket_bytes`` (a larger
         tensor alone), then ``finish_weight_update``: (buckets, seconds in the engine)."""
         load_s = 0.0
@@ -265,7 +287,7 @@ class InferenceEngineCalls:
         def send() -> None:
             nonlocal load_s, buckets, bucket, size
             t0 = time.perf_counter()
-            with _drained_on_engine_error(tensors):
+            with tensors.drained_on_error():
                 engine.update_weights(bucket)
             load_s += time.perf_counter() - t0
             buckets += 1
@@ -284,43 +306,19 @@ class InferenceEngineCalls:
         return buckets, load_s + time.perf_counter() - t0
 
     @staticmethod
-    def _stream_weights(
-        engine: Any, stream: Callable[..., None], tensors: Iterator[tuple[str, torch.Tensor]]
-    ) -> float:
+    def _stream_weights(engine: Any, stream: Callable[..., None], tensors: _SyncTensors) -> float:
         """The whole sync in one ``engine.update_weights_stream`` call that pulls each
         tensor from ``tensors`` (gathered as it is pulled): the seconds in the engine,
         the pulls' gathering excluded. An engine that returns without reading every
         tensor is an error, counted in the message; before it is raised, and before an
-        error of the engine's own propagates, the rest are gathered and dropped
-        (gathering is collective: a rank whose engine failed alone still does its part,
-        so the others do not hang)."""
-        pulled = 0.0
-        gather_failed = False
-
-        def timed() -> Iterator[tuple[str, torch.Tensor]]:
-            nonlocal pulled, gather_failed
-            while True:
-                t0 = time.perf_counter()
-                try:
-                    item = next(tensors, None)
-                except BaseException:
-                    gather_failed = True
-                    raise
-                pulled += time.perf_counter() - t0
-                if item is None:
-                    return
-                yield item
-
+        error of the engine's own propagates, the rest are drained (gathering is
+        collective: a rank whose engine failed alone still does its part, so the others
+        do not hang)."""
         t0 = time.perf_counter()
-        try:
-            stream(timed())
-        except Exception:
-            if not gather_failed:  # the engine's own error, perhaps on this rank alone
-                with contextlib.suppress(Exception):
-                    _drain(tensors)
-            raise
-        load_s = time.perf_counter() - t0 - pulled
-        unread = _drain(tensors)
+        with tensors.drained_on_error():
+            stream(tensors)
+        load_s = time.perf_counter() - t0 - tensors.pulled_s
+        unread = tensors.drain()
         if unread:
             protocol = _protocol()
             raise protocol.EngineError(
