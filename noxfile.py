@@ -84,7 +84,8 @@ def strategy(session: nox.Session, backend: str) -> None:
     extra = ["--extra", "deepspeed"] if backend == "deepspeed" else []
     sync(session, "lightrft-strategy", *extra, "--group", "test", bytecode=True)
     session.chdir(ROOT / "packages" / "lightrft-strategy")
-    pytest = ["pytest", "-q", "-p", "no:cacheprovider"]
+    # the slowest tests in CI's log: where the session's minutes go
+    pytest = ["pytest", "-q", "-p", "no:cacheprovider", "--durations=15"]
     if backend == "deepspeed":
         # every test marked deepspeed (here and in the conformance suite), then the
         # checks whose outcome depends on the extra being installed
@@ -325,3 +326,4 @@ def bench(session: nox.Session) -> None:
     session.run("python", "benchmarks/config_load.py")
     session.run("python", "benchmarks/fsdp2_overhead.py")  # re-launches under torchrun
     session.run("python", "benchmarks/deepspeed_overhead.py")  # likewise
+    session.run("python", "benchmarks/sequence_parallel.py")  # likewise

@@ -41,7 +41,7 @@ import torch
 
 from lightrft.config import ConfigError, StrategyConfig
 from lightrft.engines import SamplingParams
-from lightrft.strategy import get_strategy
+from lightrft.strategy import get_strategy, ulysses
 
 HERE = Path(__file__).parent
 log = logging.getLogger("grpo")
@@ -49,7 +49,7 @@ log = logging.getLogger("grpo")
 #: The tiny model's config (head_dim 64: vLLM's CPU kernels need at least that).
 MODEL: dict[str, Any] = {
     "vocab_size": 64, "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2,
-    "num_attention_heads": 2, "num_key_value_heads": 1, "max_position_embeddings": 64,
+    "num_attention_heads": 2, "num_key_value_heads": 2, "max_position_embeddings": 64,
     "tie_word_embeddings": False, "eos_token_id": None, "bos_token_id": None,
 }  # fmt: skip
 
@@ -91,13 +91,18 @@ def train(config: StrategyConfig, opts: argparse.Namespace) -> dict[str, Any]:
     out: Path = opts.out
     strategy = get_strategy(config)
     rank, world = strategy.get_rank(), strategy.world_size
+    # data-parallel replicas: the ranks of a sequence-parallel group share their prompts
+    # (and the strategy splits their sequences); at sp_size 1 every rank is one
+    # (a simulated sp_size, as the fake strategy's, leaves one replica)
+    replicas = max(1, world // config.sp_size)
+    replica = rank * replicas // world
     group = config.n_samples_per_prompt
-    if config.train_batch_size % (world * group):
+    if config.train_batch_size % (replicas * group):
         raise SystemExit(
             f"train_batch_size={config.train_batch_size} must be a multiple of "
-            f"{world} ranks x n_samples_per_prompt={group}"
+            f"{replicas} data-parallel replicas x n_samples_per_prompt={group}"
         )
-    prompts_per_rank = config.train_batch_size // (world * group)
+    prompts_per_rank = config.train_batch_size // (replicas * group)
     model_dir = Path(config.get_extra_arg("pretrain") or out / "initial_model")
     if rank == 0 and not (model_dir / "config.json").exists():
         build_initial_model(model_dir, config.seed)
@@ -109,6 +114,8 @@ def train(config: StrategyConfig, opts: argparse.Namespace) -> dict[str, Any]:
         actor, None, None, reference, max_steps=opts.steps
     )
     strategy.setup_inference_engine(config, actor=actor)
+    if rank == 0:
+        sys.stderr.write(f"{strategy.backend_name} on {world} ranks; {ulysses.describe(actor)}\n")
     first = 1
     metrics_file = out / "metrics.jsonl"
     if opts.resume:
@@ -130,7 +137,7 @@ def train(config: StrategyConfig, opts: argparse.Namespace) -> dict[str, Any]:
     last: Path | None = None
     last_step = opts.stop_after or opts.steps  # parse() keeps it within --steps
     for step in range(first, last_step + 1):
-        gen = torch.Generator().manual_seed(config.seed * 100_003 + step * 1_009 + rank)
+        gen = torch.Generator().manual_seed(config.seed * 100_003 + step * 1_009 + replica)
         prompts = torch.randint(0, vocab, (prompts_per_rank, prompt_len), generator=gen)
         sampling = SamplingParams(
             max_new_tokens=opts.new_tokens, temperature=1.0, n=group,

@@ -25,6 +25,8 @@ row naming its run, in OUT/demo-metrics.jsonl):
     engines-hf the Hugging Face engine's GPU tests (lightrft-engines)
     engines    pytest -m "gpu and vllm|sglang" on lightrft-engines, for each of vLLM
                and SGLang that imports (a missing one is reported as not run)
+    bench-sp   benchmarks/sequence_parallel.py on 2 GPUs (NCCL), sequences of 4k-64k
+               tokens (with one GPU it is reported as not run)
 
 It exits 1 if any step failed; a summary table ends the output.
 """
@@ -221,6 +223,16 @@ def check(wheels: Path, out: Path, site: Path, only: list[str]) -> int:
         "strategy": ([*pytest, "--durations=0", "-m", "gpu"], strategy_dir, 1200),
         "engines-hf": ([*pytest, "-m", "gpu and not vllm and not sglang"], engines_dir, 600),
     }
+    if gpus >= 2:  # sequence parallelism over 2 GPUs (NCCL); one GPU cannot hold 2 ranks
+        steps["bench-sp"] = (
+            [sys.executable, str(ROOT / "benchmarks" / "sequence_parallel.py"), "--device",
+             "cuda", "--lengths", "4096", "16384", "65536", "--hidden", "1024", "--layers", "8",
+             "--heads", "16", "--kv-heads", "8", "--vocab", "32000"],
+            ROOT,
+            900,
+        )  # fmt: skip
+    else:
+        print("gpu_offline: bench-sp (sequence parallelism) needs 2 GPUs: NOT run")
     for engine in ("vllm", "sglang"):
         probe = subprocess.run(
             [sys.executable, "-c", f"import {engine}"], env=env, capture_output=True, check=False

@@ -145,3 +145,28 @@ def test_a_prompt_with_images_is_refused_not_served_without_them(tiny_model_dir:
                 r"engine_type='vllm' or 'sglang'")  # fmt: skip
     with pytest.raises(EngineError, match=expected):
         engine.generate(prompts, SamplingParams(max_new_tokens=2))
+
+
+def test_sglang_and_vllm_options_are_honoured_or_refused_by_name(tiny_model_dir: Path) -> None:
+    """Upstream's SGLang dict reaches the HF engine: penalties at their no-op values and
+    text-only options change nothing, repetition_penalty and min tokens are generate's
+    own, and an option it cannot honour is refused, naming it."""
+    engine = _engine(tiny_model_dir)
+    greedy = engine.generate(PROMPTS, {"max_new_tokens": 6, "temperature": 0.0})
+    upstream = {
+        "n": 1, "temperature": 0.0, "top_p": 1.0, "top_k": -1, "max_new_tokens": 6,
+        "presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0,
+        "skip_special_tokens": False, "spaces_between_special_tokens": True, "ignore_eos": False,
+    }  # fmt: skip
+    same = engine.generate(PROMPTS, upstream)
+    assert [o.output_token_ids for o in same] == [o.output_token_ids for o in greedy]
+    penalised = engine.generate(PROMPTS, {**upstream, "repetition_penalty": 50.0})
+    for out in penalised:  # a huge penalty: no generated token repeats an earlier one
+        tokens = out.prompt_token_ids + out.output_token_ids
+        start = len(out.prompt_token_ids)
+        assert all(t not in tokens[: start + j] for j, t in enumerate(out.output_token_ids))
+    assert penalised != same
+    with pytest.raises(
+        EngineError, match=r"cannot honour sampling option\(s\) presence_penalty=0.5"
+    ):
+        engine.generate(PROMPTS, {**upstream, "presence_penalty": 0.5})

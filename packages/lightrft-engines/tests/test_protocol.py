@@ -14,6 +14,11 @@ from lightrft.engines import (
     SleepState,
     prompt_token_ids,
 )
+from lightrft.engines.protocol import (
+    SGLANG_SAMPLING_KEYS,
+    VLLM_SAMPLING_KEYS,
+    as_sampling_params,
+)
 
 
 def test_sampling_defaults_and_native_passthrough() -> None:
@@ -160,3 +165,39 @@ def test_invalid_transitions_raise(action: object, expected: str) -> None:
 def test_an_engine_without_sleep_refuses_it() -> None:
     with pytest.raises(EngineError, match="does not support sleep"):
         SleepState(supports_sleep=False).sleep(1)
+
+
+def test_an_sglang_dict_maps_our_keys_and_hands_the_rest_to_the_engine() -> None:
+    """Upstream's FastExperienceMaker builds this dict for SGLang."""
+    upstream = {
+        "n": 1, "temperature": 0.7, "top_p": 0.9, "top_k": -1, "max_new_tokens": 12,
+        "presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0,
+        "skip_special_tokens": False, "spaces_between_special_tokens": True,
+        "ignore_eos": False, "sampling_seed": 5,
+    }  # fmt: skip
+    params = as_sampling_params(upstream)
+    assert (params.n, params.temperature, params.top_p, params.top_k) == (1, 0.7, 0.9, -1)
+    assert (params.max_new_tokens, params.seed) == (12, 5)
+    assert params.native == {
+        "presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0,
+        "skip_special_tokens": False, "spaces_between_special_tokens": True, "ignore_eos": False,
+    }  # fmt: skip
+
+
+def test_vllm_spellings_in_a_dict_mean_ours() -> None:
+    params = as_sampling_params({"max_tokens": 7, "top_k": 0, "logprobs": 0, "min_tokens": 2})
+    assert (params.max_new_tokens, params.top_k, params.logprobs) == (7, -1, True)
+    assert params.native == {"min_tokens": 2}
+
+
+def test_a_key_no_engine_knows_is_refused_by_name() -> None:
+    with pytest.raises(SamplingError, match=r"\['temprature'\] are not known") as info:
+        as_sampling_params({"temprature": 0.5, "top_p": 0.5})
+    assert "vLLM's SamplingParams or SGLang's sampling dict" in str(info.value)
+
+
+def test_the_known_engine_keys_do_not_shadow_ours() -> None:
+    """Every key both engines spell as we do is ours; the rest go to native."""
+    ours = {"max_new_tokens", "temperature", "top_p", "top_k", "n", "seed", "stop_token_ids",
+            "logprobs"}  # fmt: skip
+    assert ours <= (VLLM_SAMPLING_KEYS | SGLANG_SAMPLING_KEYS | {"seed", "max_new_tokens"})

@@ -229,6 +229,17 @@ def test_every_name_and_call_of_the_adapter_exists_in_the_installed_sglang(
     assert made and made <= checked, made - checked
 
 
+def test_every_key_of_sglangs_sampling_params_reaches_sglang(api: SGLangAPI) -> None:
+    """A sampling dict's keys that SGLang knows go to the engine unchanged
+    (``SamplingParams.native``); the protocol's list must hold all of them."""
+    from lightrft.engines.protocol import SGLANG_SAMPLING_KEYS
+
+    internal = {"stop_strs", "stop_regex_strs", "stop_str_max_len", "stop_regex_max_len",
+                "is_normalized", "ebnf_full_assistant"}  # set by SGLang itself  # fmt: skip
+    accepted = set(inspect.signature(api["SamplingParams"]).parameters) - internal
+    assert accepted - SGLANG_SAMPLING_KEYS == set()
+
+
 def test_a_version_outside_the_supported_range_is_refused_by_name() -> None:
     for version in ("0.5.22", "0.6.0"):
         with pytest.raises(SGLangAPIError, match=rf"SGLang {version} is installed; the "

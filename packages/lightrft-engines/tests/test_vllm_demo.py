@@ -26,8 +26,11 @@ def _mean(rows: list[dict[str, Any]]) -> float:
 
 
 def test_grpo_demo_with_vllm_learns_and_resumes_exactly(tmp_path: Path) -> None:
+    # the demo's own exit check compares 5-step windows, built for its 30 steps; over 12
+    # steps with vLLM's sampling it sees +0.18, so it is relaxed here and the test makes
+    # its own check below (3-step windows, +0.2)
     common = ["--backend", "fsdp2", "--engine_type", "vllm", "--engine_tp_size", "2",
-              "--engine_max_model_len", "64", "--save-every", "6"]  # fmt: skip
+              "--engine_max_model_len", "64", "--save-every", "6", "--min-gain", "0.1"]  # fmt: skip
     full, part = tmp_path / "full", tmp_path / "part"
     run_torchrun(GRPO, *common, "--steps", "12", "--out", str(full), timeout=800)
     rows = _metrics(full)

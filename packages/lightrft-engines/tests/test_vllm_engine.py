@@ -32,6 +32,7 @@ def _one_process_checks(model_dir: str) -> dict[str, Any]:
         WeightMismatchError,
         build_engine,
     )
+    from lightrft.engines.protocol import VLLM_SAMPLING_KEYS
     from lightrft.strategy import get_strategy
 
     warnings: list[str] = []  # what lightrft logs at WARNING and above, from the build on
@@ -93,6 +94,24 @@ def _one_process_checks(model_dir: str) -> dict[str, Any]:
         VllmSampling(max_tokens=8, temperature=0), all_prompt_token_ids=PROMPTS
     )
     out["upstream_form"] = [(o.prompt_token_ids, o.output_token_ids) for o in upstream]
+    # upstream's keyword form with the dict its SGLang path builds (min_new_tokens is
+    # SGLang's spelling of vLLM's min_tokens), and upstream's read of the engine it holds
+    sglang_dict = {"n": 1, "temperature": 0.0, "top_p": 1.0, "top_k": -1, "max_new_tokens": 8,
+                   "presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0,
+                   "min_new_tokens": 1, "skip_special_tokens": False,
+                   "spaces_between_special_tokens": True, "ignore_eos": False}  # fmt: skip
+    keyword = strategy.gather_and_generate(
+        sampling_params=sglang_dict, all_prompt_token_ids=PROMPTS, sleep_engine=False
+    )
+    out["upstream_dict_form"] = [o.output_token_ids for o in keyword]
+    out["llm_engine_max_model_len"] = engine.llm_engine.model_config.max_model_len
+    out["max_model_len"] = engine.max_model_len
+    from vllm import SamplingParams as VllmFields
+
+    out["vllm_fields_not_known"] = sorted(
+        f for f in VllmFields.__struct_fields__ if not f.startswith("_")
+        and f not in VLLM_SAMPLING_KEYS
+    )  # fmt: skip
     errors = {}
     try:
         strategy.update_engine_weights(model, name_map=lambda n: n.replace("model.", "m."))
@@ -190,6 +209,9 @@ def test_vllm_equals_hf_and_transformers_and_syncs_weights(tiny_model_dir: Path)
     assert r["synced"] == r["trained_reference"] != r["vllm"]
     assert r["synced_versions"] == [1]
     assert r["upstream_form"] == list(zip(PROMPTS, r["synced"], strict=True))
+    assert r["upstream_dict_form"] == r["synced"]
+    assert r["llm_engine_max_model_len"] == r["max_model_len"] == 64
+    assert r["vllm_fields_not_known"] == []  # every vLLM sampling key reaches vLLM
     errors = r["errors"]
     assert "m.embed_tokens.weight" in errors["names"] and r["kept"]
     assert errors["stale"].startswith("EngineError: ")

@@ -20,8 +20,10 @@ marks them stale, so generation refuses until the next sync.
 
 from __future__ import annotations
 
+import contextlib
+import importlib
 import logging
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -118,14 +120,15 @@ class HFEngine:
         options = dict(spec.native)
         media_processor = options.pop("media_processor", None)
         config = transformers.AutoConfig.from_pretrained(path)
-        if getattr(config, "vision_config", None) is not None:  # a vision-language model
-            model = transformers.AutoModelForImageTextToText.from_pretrained(path, dtype=dtype)
-            if media_processor is None and getattr(config, "image_token_id", None) is not None:
-                from lightrft.engines.hf_vision import PlaceholderExpander
+        with _outside_zero3():
+            if getattr(config, "vision_config", None) is not None:  # a vision-language model
+                model = transformers.AutoModelForImageTextToText.from_pretrained(path, dtype=dtype)
+                if media_processor is None and getattr(config, "image_token_id", None) is not None:
+                    from lightrft.engines.hf_vision import PlaceholderExpander
 
-                media_processor = PlaceholderExpander.from_pretrained(path, config)
-        else:
-            model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+                    media_processor = PlaceholderExpander.from_pretrained(path, config)
+            else:
+                model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
         return cls(
             model,
             device=spec.device,
@@ -139,10 +142,7 @@ class HFEngine:
         self._check_open()
         params = as_sampling_params(sampling)
         self.state.check_generate()
-        if params.native:
-            raise EngineError(
-                f"the hf engine takes no native sampling options; got {sorted(params.native)}"
-            )
+        options = generate_options(params.native)  # refuses what it cannot honour
         media = [prompt_media(prompt) for prompt in prompts]
         if any(media) and self.media_processor is None:  # never dropped silently
             index = next(i for i, m in enumerate(media) if m)
@@ -160,16 +160,21 @@ class HFEngine:
         by_prompt: dict[int, list[GenerationOutput]] = {}
         done: list[GenerationOutput] = []
         for start in range(0, len(rows), step):
-            done.extend(self._generate_rows(rows[start : start + step], params))
+            done.extend(self._generate_rows(rows[start : start + step], params, options=options))
         for k, i in enumerate(text):
             by_prompt[i] = done[k * params.n : (k + 1) * params.n]
         for i, items in enumerate(media):
             if items:
-                by_prompt[i] = self._generate_media(ids[i], items, params, f"prompt {i}")
+                by_prompt[i] = self._generate_media(ids[i], items, params, f"prompt {i}", options)
         return [out for i in range(len(prompts)) for out in by_prompt[i]]
 
     def _generate_media(
-        self, ids: list[int], media: dict[str, list[Any]], params: Any, where: str
+        self,
+        ids: list[int],
+        media: dict[str, list[Any]],
+        params: Any,
+        where: str,
+        options: dict[str, Any] | None = None,
     ) -> list[GenerationOutput]:
         """One prompt with media: its ``n`` samples in one batch (the media repeated)."""
         assert self.media_processor is not None
@@ -188,13 +193,17 @@ class HFEngine:
             )
             for key, value in extra.items()
         }
-        outputs = self._generate_rows([expanded] * params.n, params, batch)
+        outputs = self._generate_rows([expanded] * params.n, params, batch, options)
         for out in outputs:
             out.prompt_token_ids = list(ids)  # as given, one placeholder per item
         return outputs
 
     def _generate_rows(
-        self, rows: list[list[int]], params: Any, extra: dict[str, torch.Tensor] | None = None
+        self,
+        rows: list[list[int]],
+        params: Any,
+        extra: dict[str, torch.Tensor] | None = None,
+        options: dict[str, Any] | None = None,
     ) -> list[GenerationOutput]:
         transformers = _transformers()
         width = max(len(r) for r in rows)
@@ -215,6 +224,7 @@ class HFEngine:
             pad_token_id=self.pad_token_id,
             return_dict_in_generate=True,
             output_logits=params.logprobs,
+            **(options or {}),
         )
         with torch.random.fork_rng(devices=self._rng_devices()), torch.no_grad():
             if params.seed is not None:
@@ -306,3 +316,69 @@ class HFEngine:
     def _check_open(self) -> None:
         if self._closed:
             raise EngineError("the engine was shut down")
+
+
+#: vLLM/SGLang sampling options that ``generate`` takes under its own name.
+_TO_GENERATE = {
+    "repetition_penalty": "repetition_penalty",
+    "min_tokens": "min_new_tokens",
+    "min_new_tokens": "min_new_tokens",
+}
+#: Options that leave the sampled token ids unchanged at these values.
+_NO_EFFECT_AT = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "min_p": 0.0}
+#: Options about text, not tokens (the engine returns token ids), and ``ignore_eos``
+#: (this engine stops only at ``stop_token_ids``, never at EOS on its own).
+_TEXT_ONLY = frozenset({
+    "skip_special_tokens", "spaces_between_special_tokens", "include_stop_str_in_output",
+    "detokenize", "no_stop_trim", "ignore_eos",
+})  # fmt: skip
+
+
+def generate_options(native: Mapping[str, Any]) -> dict[str, Any]:
+    """vLLM's or SGLang's sampling options (``SamplingParams.native``) as
+    ``GenerationConfig`` fields: repetition penalty and minimum length are honoured,
+    text-only options and penalties at their no-op value are accepted, anything else
+    raises :class:`EngineError` naming it (the engine would otherwise sample from
+    another distribution than the one asked for)."""
+    options: dict[str, Any] = {}
+    refused = []
+    for key, value in native.items():
+        if key in _TO_GENERATE:
+            if value is not None:
+                options[_TO_GENERATE[key]] = value
+        elif key in _TEXT_ONLY or (key in _NO_EFFECT_AT and value in (None, _NO_EFFECT_AT[key])):
+            continue
+        else:
+            refused.append(f"{key}={value!r}")
+    if refused:
+        raise EngineError(
+            f"the hf engine cannot honour sampling option(s) {', '.join(sorted(refused))}; it "
+            f"takes repetition_penalty, min_tokens/min_new_tokens, text-only options and "
+            f"{', '.join(f'{k}={v}' for k, v in _NO_EFFECT_AT.items())}. Drop them, or use "
+            "engine_type='vllm' or 'sglang'"
+        )
+    return options
+
+
+@contextlib.contextmanager
+def _outside_zero3() -> Iterator[None]:
+    """transformers' ``from_pretrained`` with any ZeRO-3 config switched off: our
+    DeepSpeed strategy at ZeRO-3 keeps an ``HfDeepSpeedConfig`` alive while it lives
+    (upstream's holds one only inside ``init_model_context``), and under it
+    ``from_pretrained`` would load the engine's model as empty ZeRO-3 partitions; the
+    engine serves a full copy."""
+    try:
+        hf_ds = importlib.import_module("transformers.integrations.deepspeed")
+    except ImportError:
+        yield
+        return
+    ref = getattr(hf_ds, "_hf_deepspeed_config_weak_ref", None)
+    config = ref() if ref is not None else None
+    if config is None:
+        yield
+        return
+    hf_ds.unset_hf_deepspeed_config()
+    try:
+        yield
+    finally:
+        hf_ds.set_hf_deepspeed_config(config)

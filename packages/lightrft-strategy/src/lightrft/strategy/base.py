@@ -26,7 +26,8 @@ import torch.distributed as dist
 from torch import nn
 
 from lightrft.config import StrategyConfig
-from lightrft.strategy import collectives, distributed
+from lightrft.strategy import collectives, distributed, sequence_parallel, ulysses
+from lightrft.strategy.actor import is_actor, training_module
 from lightrft.strategy.construction import (
     BASE_PARAMETERS,
     NotSetUpError,
@@ -80,6 +81,9 @@ class StrategyBase(InferenceEngineCalls, metaclass=ReadyOnConstruction):
         self._ready = False
         self._closed = False
         self._owns_process_group = False
+        #: upstream's sequence-parallel data processor, the identity: the loader gives the
+        #: ranks of a group the same items (rebuilt over the groups by setup_distributed)
+        self.sp_data_processor = sequence_parallel.SPDataProcessor(replicated=True)
         self._step_states = StepStates()
         self._dataloaders: list[weakref.ref[ResumableDataLoader]] = []
         self._pending_loader_states: list[dict[str, int]] = []
@@ -202,7 +206,11 @@ class StrategyBase(InferenceEngineCalls, metaclass=ReadyOnConstruction):
     def _finish_setup(self) -> None:
         """The end of every setup, once ``launch``/``device`` are set and the group is
         joined: accumulation steps, seeding, readiness, then :meth:`_after_setup`."""
-        self._accumulated_gradient = self.config.gradient_accumulation_steps(self.world_size)
+        self._accumulated_gradient = self._sizes().gradient_accumulation_steps(self.world_size)
+        # upstream's groups of sp_size consecutive ranks (size 1 too, as upstream's mesh)
+        sequence_parallel.build_sequence_parallel_groups(self._sizes().sp_size)
+        # the loader gives a group's ranks the same items: nothing to gather
+        self.sp_data_processor = sequence_parallel.SPDataProcessor(replicated=True)
         self.set_seed(self.config.seed)
         self._ready, self._closed = True, False
         try:
@@ -222,6 +230,11 @@ class StrategyBase(InferenceEngineCalls, metaclass=ReadyOnConstruction):
     def _after_setup(self) -> None:
         """Backend hook run at the end of :meth:`setup_distributed`."""
 
+    def _sizes(self) -> StrategyConfig:
+        """The config whose parallel sizes (``sp_size``, ``engine_tp_size``) this process
+        runs with: ``config`` itself, except where a backend simulates them (the fake)."""
+        return self.config
+
     def close(self) -> None:
         """Shut the inference engine down (if one was set up), then destroy the process
         group if :meth:`setup_distributed` created it. The strategy is then no longer
@@ -235,6 +248,8 @@ class StrategyBase(InferenceEngineCalls, metaclass=ReadyOnConstruction):
         if self._owns_process_group and dist.is_initialized():
             dist.barrier()
             dist.destroy_process_group()
+        if self._ready:
+            sequence_parallel.set_sequence_parallel_group(None)
         self._owns_process_group = False
         if self._ready:
             self._closed = True
@@ -313,12 +328,15 @@ class StrategyBase(InferenceEngineCalls, metaclass=ReadyOnConstruction):
                 "setup_dataloader builds its own resumable distributed sampler; pass "
                 "shuffle/drop_last/consumed_samples instead of sampler="
             )
-        dp_size = self.world_size // self.config.sp_size
+        # a sequence-parallel group is one data-parallel replica: its ranks get the same
+        # items, which the Ulysses hook computes once, each rank holding 1/sp_size of
+        # every sequence (ulysses)
+        sp_size = self._sizes().sp_size
         loader = build_dataloader(
             dataset,
             batch_size or self.config.micro_train_batch_size,
-            num_replicas=dp_size,
-            rank=self.get_rank() // self.config.sp_size,
+            num_replicas=self.world_size // sp_size,
+            rank=self.get_rank() // sp_size,
             shuffle=shuffle,
             seed=self.config.seed,
             drop_last=drop_last,
@@ -359,7 +377,7 @@ class StrategyBase(InferenceEngineCalls, metaclass=ReadyOnConstruction):
         ``weight_decay`` to ``l2``; other keyword arguments go to the optimizer.
         """
         self._require_setup("create_optimizer")
-        model = self._model_for_optimizer(model)
+        model = self._model_for_optimizer(training_module(model))
         lr = kwargs.pop("lr", self.config.actor_learning_rate)
         betas = tuple(kwargs.pop("betas", self.config.adam_betas))
         weight_decay = kwargs.pop("weight_decay", self.config.l2)
@@ -407,9 +425,12 @@ class StrategyBase(InferenceEngineCalls, metaclass=ReadyOnConstruction):
                         f"prepare takes (model, optimizer, scheduler) triples, got a "
                         f"{len(item)}-tuple"
                     )
-                model, optimizer, scheduler = self._prepare_train(*item)
-                self._optimizers[model] = (optimizer, scheduler)
-                results.append((model, optimizer, scheduler))
+                model, optimizer, scheduler = item
+                inner, optimizer, scheduler = self._prepare_train(
+                    self._split_sequences(training_module(model)), optimizer, scheduler
+                )
+                self._optimizers[inner] = (optimizer, scheduler)
+                results.append((_put_back(model, inner), optimizer, scheduler))
             else:
                 results.append(self.prepare_model(item, is_training=False))
         return results[0] if len(results) == 1 else results
@@ -433,9 +454,17 @@ class StrategyBase(InferenceEngineCalls, metaclass=ReadyOnConstruction):
         if shard_size == "auto" and is_training:  # upstream: trained models shard fully
             shard_size = -1
         with self._model_layout(shard_size, reshard_after_forward):
+            inner = self._split_sequences(training_module(model))
             if is_training:
-                return self._prepare_train_model(model)
-            return self._prepare_eval(model)
+                return _put_back(model, self._prepare_train_model(inner))
+            return _put_back(model, self._prepare_eval(inner))
+
+    def _split_sequences(self, model: nn.Module) -> nn.Module:
+        """At ``sp_size > 1``, Ulysses attention on ``model``'s decoder (checked before
+        any wrapping: an unsupported model or head count fails here)."""
+        if sequence_parallel.get_sequence_parallel_world_size() > 1:
+            ulysses.apply_ulysses(model, sequence_parallel.get_sequence_parallel_group())
+        return model
 
     def _model_layout(
         self, shard_size: int | str | None, reshard_after_forward: bool | None
@@ -474,6 +503,8 @@ class StrategyBase(InferenceEngineCalls, metaclass=ReadyOnConstruction):
         """
         self._require_setup("prepare_models_and_optimizers")
         config = self.config if args is None else StrategyConfig.from_args(args)
+        if is_actor(actor):
+            setattr(actor, "is_actor", True)  # noqa: B010 as upstream: its .model is what is trained and synced
 
         actor_triple = self._train_triple(actor, config, config.actor_learning_rate, max_steps)
         critic_triple: tuple[Any, Any, Any] = (
@@ -510,16 +541,18 @@ class StrategyBase(InferenceEngineCalls, metaclass=ReadyOnConstruction):
     def _train_triple(
         self, model: nn.Module, config: StrategyConfig, lr: float, max_steps: int
     ) -> Triple:
-        model = self._prepare_train_model(model)
+        inner = self._prepare_train_model(self._split_sequences(training_module(model)))
         optimizer = self.create_optimizer(
-            model, lr=lr, betas=config.adam_betas, weight_decay=config.l2
+            inner, lr=lr, betas=config.adam_betas, weight_decay=config.l2
         )
         scheduler = build_scheduler(optimizer, config, max_steps)
-        prepared: Triple = self.prepare((model, optimizer, scheduler))
+        prepared: Triple = self.prepare((_put_back(model, inner), optimizer, scheduler))
         return prepared
 
     def unwrap_model(self, model: nn.Module) -> nn.Module:
-        """The user's module inside any wrapper (``.module`` chains)."""
+        """The user's module inside any wrapper (``.module`` chains); for upstream's actor
+        wrapper, the Hugging Face model in its ``.model``, as upstream DeepSpeed's."""
+        model = training_module(model)
         while hasattr(model, "module") and isinstance(model.module, nn.Module):
             model = model.module
         return model
@@ -532,6 +565,7 @@ class StrategyBase(InferenceEngineCalls, metaclass=ReadyOnConstruction):
     def backward(self, loss: torch.Tensor, model: nn.Module, optimizer: Any, **kwargs: Any) -> None:
         """Backpropagate ``loss / accumulated_gradient``."""
         self._require_setup("backward")
+        model = training_module(model)
         state = self.step_state(model)
         last = (state.micro_steps + 1) % self.accumulated_gradient == 0
         self._before_backward(model, is_last_micro_step=last)
@@ -554,7 +588,7 @@ class StrategyBase(InferenceEngineCalls, metaclass=ReadyOnConstruction):
         and when a non-finite gradient norm skipped the step).
         """
         self._require_setup("optimizer_step")
-        state = self.step_state(model)
+        state = self.step_state(model)  # an actor's counters are its .model's
         state.micro_steps += 1
         if state.micro_steps % self.accumulated_gradient:
             return False
@@ -573,16 +607,20 @@ class StrategyBase(InferenceEngineCalls, metaclass=ReadyOnConstruction):
         return True
 
     # -- optimizer offload ---------------------------------------------------------------
-    def maybe_offload_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+    def maybe_offload_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         """Move optimizer state to CPU memory (when ``adam_offload`` is off and the state
-        lives on an accelerator); :meth:`maybe_load_optimizer` moves it back."""
+        lives on an accelerator); :meth:`maybe_load_optimizer` moves it back. Returns
+        ``optimizer`` (as upstream's fake)."""
         self._move_optimizer_state(optimizer, torch.device("cpu"))
+        return optimizer
 
     def maybe_load_optimizer(
         self, optimizer: torch.optim.Optimizer, device: torch.device | str | None = None
-    ) -> None:
-        """Move optimizer state back to ``device`` (default: this rank's device)."""
+    ) -> torch.optim.Optimizer:
+        """Move optimizer state back to ``device`` (default: this rank's device); returns
+        ``optimizer``."""
         self._move_optimizer_state(optimizer, torch.device(device) if device else self.device)
+        return optimizer
 
     def _move_optimizer_state(self, optimizer: torch.optim.Optimizer, device: torch.device) -> None:
         if self.config.adam_offload:
@@ -602,14 +640,14 @@ class StrategyBase(InferenceEngineCalls, metaclass=ReadyOnConstruction):
         CPU job."""
         if self.device.type == "cuda":
             for model in models if isinstance(models, list | tuple) else [models]:
-                self._move_model(model, torch.device("cpu"))
+                self._move_model(training_module(model), torch.device("cpu"))
             if empty_cache:
                 torch.cuda.empty_cache()
 
     def reload_model(self, models: nn.Module | list[nn.Module]) -> None:
         if self.device.type == "cuda":
             for model in models if isinstance(models, list | tuple) else [models]:
-                self._move_model(model, self.device)
+                self._move_model(training_module(model), self.device)
 
     def _move_model(self, model: nn.Module, device: torch.device) -> None:
         """Backend hook; the default moves the module (FSDP2 re-registers its shards)."""
@@ -662,6 +700,8 @@ class StrategyBase(InferenceEngineCalls, metaclass=ReadyOnConstruction):
         self._require_setup("save_model")
         from lightrft.strategy.hf_export import write_hf_checkpoint
 
+        model = training_module(model)  # upstream's actor: its Hugging Face model
+
         state = self.full_state_dict(model)
         if self.is_rank_0():
             write_hf_checkpoint(
@@ -692,6 +732,7 @@ class StrategyBase(InferenceEngineCalls, metaclass=ReadyOnConstruction):
         from lightrft.strategy.weight_files import some_names as shown
 
         self._require_setup("load_model")
+        model = training_module(model)
         state = read_weights(path, map_location)
         if key_replace_fn is not None:
             state = key_replace_fn(state)
@@ -731,6 +772,7 @@ class StrategyBase(InferenceEngineCalls, metaclass=ReadyOnConstruction):
         where ``model_ema`` lives."""
         self._require_setup("moving_average")
         del device
+        model, model_ema = training_module(model), training_module(model_ema)
         steps = self.step_state(model)
         ema = self.unwrap_model(model_ema)
         if steps.micro_steps and self._ema_steps.get(ema, 0) >= steps.global_steps:
@@ -767,7 +809,7 @@ class StrategyBase(InferenceEngineCalls, metaclass=ReadyOnConstruction):
         from lightrft.strategy.checkpoint.manager import save_checkpoint
 
         return save_checkpoint(
-            self, model, Path(save_dir), tag, max_num, max_mem, client_state or {},
+            self, training_module(model), Path(save_dir), tag, max_num, max_mem, client_state or {},
             save_latest, optimizer, scheduler,
         )  # fmt: skip
 
@@ -793,7 +835,7 @@ class StrategyBase(InferenceEngineCalls, metaclass=ReadyOnConstruction):
         from lightrft.strategy.checkpoint.manager import load_checkpoint
 
         return load_checkpoint(
-            self, model, Path(load_dir), tag, load_module_strict,
+            self, training_module(model), Path(load_dir), tag, load_module_strict,
             load_optimizer_states and not load_module_only,
             load_lr_scheduler_states and not load_module_only, optimizer, scheduler,
             module_only=load_module_only,
@@ -801,7 +843,7 @@ class StrategyBase(InferenceEngineCalls, metaclass=ReadyOnConstruction):
 
     def optimizer_of(self, model: nn.Module) -> tuple[Any, Any]:
         """The (optimizer, scheduler) :meth:`prepare` paired with ``model``, or Nones."""
-        return self._optimizers.get(model, (None, None))
+        return self._optimizers.get(training_module(model), (None, None))
 
     def optimizer_param_groups(self, model: nn.Module, optimizer: Any) -> list[list[Any]] | None:
         """Backend: the parameters of each of ``optimizer``'s groups, in its order, as the
@@ -825,3 +867,12 @@ class StrategyBase(InferenceEngineCalls, metaclass=ReadyOnConstruction):
         self, model: nn.Module, optimizer: Any, directory: Path, strict: bool
     ) -> None:
         """Backend: read what :meth:`save_backend_state` wrote. Collective."""
+
+
+def _put_back(model: nn.Module, prepared: nn.Module) -> nn.Module:
+    """Upstream's actor wrapper gets its prepared ``.model`` back and is returned; any
+    other model is replaced by its prepared form."""
+    if is_actor(model) and prepared is not model:
+        model.model = prepared
+        return model
+    return prepared

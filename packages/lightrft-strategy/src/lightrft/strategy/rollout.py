@@ -20,6 +20,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lightrft.strategy.actor import training_module
+
 if TYPE_CHECKING:
     from lightrft.config import StrategyConfig
     from lightrft.engines.protocol import GenerationOutput
@@ -108,6 +110,8 @@ class InferenceEngineCalls:
 
         def _require_setup(self, what: str) -> None: ...
 
+        def _sizes(self) -> StrategyConfig: ...
+
     def iter_full_parameters(self, model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
         """Backend hook: ``(name, full tensor)`` per parameter, in the same order on
         every rank (collective for sharded parameters). Each tensor stays valid while the
@@ -143,7 +147,7 @@ class InferenceEngineCalls:
             from lightrft.engines import build_engine
 
             source = self.config if engine is None else engine
-            tp = int(getattr(source, "engine_tp_size", None) or self.config.engine_tp_size)
+            tp = int(getattr(source, "engine_tp_size", None) or self._sizes().engine_tp_size)
             self._check_tp(tp)
             engine = build_engine(source, engine_type=engine_type, **engine_options)
         missing = [name for name in _REQUIRED if not callable(getattr(engine, name, None))]
@@ -152,8 +156,7 @@ class InferenceEngineCalls:
                 f"{type(engine).__name__} is not an inference engine: it lacks "
                 f"{', '.join(missing)} (see lightrft.engines.protocol.InferenceEngine)"
             )
-        tp = int(getattr(engine, "tp_size", None) or self.config.engine_tp_size)
-        self._check_tp(tp)
+        tp = self._check_tp(int(getattr(engine, "tp_size", None) or self._sizes().engine_tp_size))
         rank = self.get_rank()
         self._engine_group_ranks = tuple(rank - rank % tp + i for i in range(tp))
         self._engine_group = None
@@ -171,12 +174,15 @@ class InferenceEngineCalls:
             self.maybe_sleep_inference_engine()
         return engine
 
-    def _check_tp(self, tp: int) -> None:
+    def _check_tp(self, tp: int) -> int:
+        """The engine tensor-parallel size this process runs with; raises when ``tp``
+        does not divide the world (the fake simulates larger sizes in one process)."""
         if tp < 1 or self.world_size % tp:
             raise ValueError(
                 f"engine_tp_size={tp} does not divide the world size {self.world_size}; "
                 "choose a divisor of the number of ranks"
             )
+        return tp
 
     @property
     def engine_mp_group(self) -> Any:
@@ -217,8 +223,17 @@ class InferenceEngineCalls:
         stream), ``bytes``, ``gather_s`` (gathering full tensors), ``load_s`` (inside
         the engine's ``update_weights`` and ``finish_weight_update``, or its stream call
         less the pulls' gathering) and ``weight_version`` (the engine's, when it has
-        one); with ``verify``, also ``max_logprob_gap``."""
-        engine = self._require_engine("update_engine_weights")
+        one); with ``verify``, also ``max_logprob_gap``. Without an engine it logs a
+        warning and returns ``{}``, as upstream's base class does."""
+        self._require_setup("update_engine_weights")
+        engine = self.inference_engine
+        if engine is None:  # as upstream's: a trainer without rollouts carries on
+            logger.warning(
+                "update_engine_weights: no inference engine is set up, nothing was sent "
+                "(call strategy.setup_inference_engine(...) first to sync one)"
+            )
+            return {}
+        model = training_module(model)  # upstream's actor: its Hugging Face model's names
         if bucket_bytes < 1:
             raise ValueError(f"bucket_bytes={bucket_bytes} must be >= 1")
         sent: dict[str, tuple[int, ...]] = {}
@@ -344,6 +359,7 @@ class InferenceEngineCalls:
         tolerance; returns ``max_logprob_gap`` and ``probe_tokens``."""
         protocol = _protocol()
         engine = self._require_engine("verify_engine_weights")
+        model = training_module(model)  # upstream's actor: its Hugging Face model
         vocab = int(getattr(engine, "vocab_size", None) or 2)
         ids = list(probe) if probe is not None else [(7 * i + 3) % vocab for i in range(8)]
         params = protocol.SamplingParams(
@@ -395,6 +411,7 @@ class InferenceEngineCalls:
         prompts: Any = None,
         sampling: Any = None,
         *,
+        sampling_params: Any = None,
         all_prompt_token_ids: Sequence[Sequence[int]] | None = None,
         all_prompts: Sequence[Any] | None = None,
         all_images: Sequence[Any] | None = None,
@@ -412,7 +429,8 @@ class InferenceEngineCalls:
         numbers of prompts (zero too). Collective within the group.
 
         Our form: ``gather_and_generate(prompts, sampling)``. Upstream's form:
-        ``gather_and_generate(sampling_params, all_prompt_token_ids=...)`` (or
+        ``gather_and_generate(sampling_params, all_prompt_token_ids=...)``, the sampling
+        parameters positional or as ``sampling_params=`` (or
         ``all_prompts`` with ``all_images``/``images_num``/``all_videos``/``videos_num``
         for multimodal engines; each prompt gets all of its items, in order; another
         registered modality comes with its own keywords, e.g. ``all_audios`` and
@@ -421,8 +439,30 @@ class InferenceEngineCalls:
         Both forms wake a sleeping engine first. After generating, upstream's form puts
         it back to sleep unless ``sleep_engine=False``; ours only with
         ``sleep_engine=True`` (either way only when ``enable_engine_sleep`` is set).
-        ``sampling`` may be :class:`lightrft.engines.SamplingParams` or the engine's own
-        (vLLM's ``SamplingParams`` pass through to vLLM unchanged)."""
+        ``sampling`` may be :class:`lightrft.engines.SamplingParams` or the engine's own:
+        vLLM's ``SamplingParams`` pass through to vLLM unchanged; a dict (SGLang's, as
+        upstream builds it) has its known keys mapped to ours and engine-specific ones
+        handed to the engine (:func:`lightrft.engines.protocol.as_sampling_params`; a key
+        no engine knows raises ``SamplingError`` naming it).
+
+        Upstream's multimodal prompts are built by :meth:`_build_multimodal_inputs`
+        (upstream's hook, called with its keywords; an override, such as upstream's
+        audio example's, replaces it)."""
+        if sampling_params is not None:
+            given = all_prompt_token_ids is not None or all_prompts is not None
+            ours = prompts is not None and not given and _looks_like_prompts(prompts)
+            if sampling is not None or (prompts is not None and not ours):
+                raise TypeError(
+                    "gather_and_generate got sampling parameters twice (sampling_params= and "
+                    "a positional argument); call gather_and_generate(sampling_params=..., "
+                    "all_prompt_token_ids=[...]) or gather_and_generate(prompts, sampling)"
+                )
+            if prompts is not None:  # our form, sampling by upstream's keyword
+                sampling = sampling_params
+            else:  # upstream's form: sampling_params fills its first positional slot
+                prompts = sampling_params
+                if not given:
+                    all_prompt_token_ids = []  # no prompts: nothing to generate
         upstream = (
             all_prompt_token_ids is not None
             or all_prompts is not None
@@ -454,9 +494,12 @@ class InferenceEngineCalls:
             from lightrft.engines.multimodal import MediaError
 
             try:
-                inputs: list[Any] = build_multimodal_inputs(
-                    all_prompts if all_prompts is not None else list(all_prompt_token_ids or []),
-                    all_images, images_num, all_videos, videos_num, **more,
+                inputs: list[Any] = self._build_multimodal_inputs(
+                    all_prompts=(
+                        all_prompts if all_prompts is not None else list(all_prompt_token_ids or [])
+                    ),
+                    all_images=all_images, images_num=images_num,
+                    all_videos=all_videos, videos_num=videos_num, **more,
                 )  # fmt: skip
             except MediaError as exc:
                 inputs, refused = [], exc
@@ -471,6 +514,22 @@ class InferenceEngineCalls:
         finally:
             if sleep_engine is not False:
                 self.maybe_sleep_inference_engine()
+
+    def _build_multimodal_inputs(
+        self,
+        all_prompts: Sequence[Any],
+        all_images: Sequence[Any] | None = None,
+        images_num: Sequence[int] | None = None,
+        all_videos: Sequence[Any] | None = None,
+        videos_num: Sequence[int] | None = None,
+        **more: tuple[Sequence[Any] | None, Sequence[int] | None],
+    ) -> list[dict[str, Any]]:
+        """Upstream's hook: the engine inputs of upstream's multimodal form (see
+        :func:`build_multimodal_inputs`). Override it (on the class or the instance, as
+        upstream's audio example does) to build other inputs."""
+        return build_multimodal_inputs(
+            all_prompts, all_images, images_num, all_videos, videos_num, **more
+        )
 
     def engine_generate_local(
         self,

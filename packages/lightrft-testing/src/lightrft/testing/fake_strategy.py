@@ -12,9 +12,17 @@ trains in fp32.
 Where it differs from the real backends:
 
 * it runs on the CPU unless ``device="cuda"`` is set (``auto`` means CPU here);
-* prepared models in bf16/fp16 are wrapped (``.module`` is the model) rather than
-  converted in place; bf16 runs agree with FSDP2's closely, not bit for bit (where
-  and in which dtype gradients are accumulated differs);
+* prepared models stay the objects given (``prepare(model)`` returns ``model``, as
+  upstream's fake); in bf16/fp16 forward hooks make them compute in that precision
+  (:mod:`lightrft.testing.mixed_precision`); bf16 runs agree with FSDP2's closely, not
+  bit for bit (where and in which dtype gradients are accumulated differs);
+* production parallel sizes (``sp_size``, ``engine_tp_size`` above 1) are accepted
+  and simulated: the process is one data-parallel rank whose sequence-parallel and
+  engine groups are itself (logged once at setup), so a trainer's unit test can use its
+  real arguments;
+* ``setup_inference_engine()`` with nothing to build from (upstream's fake test calls
+  ``setup_inference_engine(None)``) sets up a :class:`~lightrft.testing.FakeEngine`;
+  ``engine_generate_local`` with no prompts returns ``[]``;
 * it never creates a process group and ignores torchrun/SLURM variables: the world is
   always one rank (collectives return what a world-size-1 run returns);
 * ``init_model_context(meta_init=True)`` builds normally (there is no other rank to
@@ -28,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import logging
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -35,12 +44,17 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightrft.config import StrategyConfig
 from lightrft.strategy import StrategyBase
 from lightrft.strategy import distributed as _distributed
 from lightrft.strategy.base import Triple
 from lightrft.strategy.checkpoint.layout import CheckpointError
 from lightrft.strategy.checkpoint.safe_io import load_plain, save_plain
 from lightrft.testing.mixed_precision import with_compute_precision
+
+logger = logging.getLogger("lightrft.testing")
+#: Sizes the fake accepts above 1 and simulates in its one process.
+SIMULATED_SIZES = ("sp_size", "engine_tp_size")
 
 
 class FakeStrategy(StrategyBase):
@@ -75,8 +89,61 @@ class FakeStrategy(StrategyBase):
         self.launch = _distributed.LaunchEnv(0, 0, 1, 1, "127.0.0.1", 0, "single")
         # CPU unless CUDA is asked for by name ("auto" stays on the CPU: no GPU needed)
         self.device = _distributed.resolve_device("cuda" if self.config.device == "cuda" else "cpu")
-        self.config.validate_world_size(1)
+        sizes = {k: getattr(self.config, k) for k in SIMULATED_SIZES}
+        simulated = {k: v for k, v in sizes.items() if v > 1}
+        self._simulated_sizes = self.config.model_copy(update=dict.fromkeys(simulated, 1))
+        if simulated:
+            logger.info(
+                "FakeStrategy: %s simulated in one process (it is one data-parallel rank; "
+                "its sequence-parallel and engine groups are itself)",
+                ", ".join(f"{k}={v}" for k, v in simulated.items()),
+            )
+        self._simulated_sizes.validate_world_size(1)
         self._finish_setup()
+
+    def _sizes(self) -> StrategyConfig:
+        """The config with ``sp_size`` and ``engine_tp_size`` simulated as 1."""
+        return getattr(self, "_simulated_sizes", self.config)
+
+    def _check_tp(self, tp: int) -> int:
+        """Any engine tensor-parallel size: one process plays the whole group."""
+        return 1 if tp > 1 else super()._check_tp(tp)
+
+    # -- engines ---------------------------------------------------------------------------
+    def setup_inference_engine(
+        self,
+        engine: Any = None,
+        engine_type: str | None = None,
+        actor: nn.Module | None = None,
+        **engine_options: Any,
+    ) -> Any:
+        """As :meth:`StrategyBase.setup_inference_engine`; called with nothing to build
+        from (no engine, no ``engine_type``, none configured beyond the default) it sets
+        up a :class:`~lightrft.testing.FakeEngine` instead of failing, as upstream's fake
+        carries on."""
+        if (
+            engine is None
+            and engine_type is None
+            and not engine_options
+            and ("engine_type" not in self.config.model_fields_set)
+        ):
+            from lightrft.testing.fake_engine import FakeEngine
+
+            logger.info("FakeStrategy: no engine configured; setting up a FakeEngine")
+            engine = FakeEngine()
+        return super().setup_inference_engine(engine, engine_type, actor, **engine_options)
+
+    def engine_generate_local(
+        self,
+        sampling_params: Any,
+        prompt_token_ids: Any = None,
+        multi_modal_inputs: Any = None,
+    ) -> list[Any]:
+        """As :meth:`StrategyBase.engine_generate_local`; with no prompts at all, ``[]``
+        (upstream's fake answers every call so)."""
+        if prompt_token_ids is None and multi_modal_inputs is None:
+            return []
+        return super().engine_generate_local(sampling_params, prompt_token_ids, multi_modal_inputs)
 
     # -- wrapping: none ------------------------------------------------------------------
     def _wrap(self, model: nn.Module) -> nn.Module:

@@ -23,6 +23,7 @@ from deepspeed.runtime.engine import DeepSpeedEngine
 from torch import nn
 from torch.utils._pytree import tree_map
 
+from lightrft.strategy.actor import training_module
 from lightrft.strategy.base import StrategyBase, Triple
 from lightrft.strategy.checkpoint.layout import METADATA_FILE, CheckpointError
 from lightrft.strategy.construction import BASE_PARAMETERS
@@ -188,6 +189,7 @@ class DeepspeedStrategy(StrategyBase):
 
     # -- wrapping ------------------------------------------------------------------------
     def _engine(self, model: nn.Module, what: str) -> DeepSpeedEngine:
+        model = training_module(model)  # upstream's actor: the engine is its .model
         if isinstance(model, DeepSpeedEngine):
             return model
         raise TypeError(
@@ -417,29 +419,29 @@ class DeepspeedStrategy(StrategyBase):
                 return engine
         return None
 
-    def maybe_offload_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+    def maybe_offload_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         """Move optimizer state to CPU memory (``engine.offload_states`` under ZeRO);
-        nothing to do on a CPU job or with ``adam_offload``."""
+        nothing to do on a CPU job or with ``adam_offload``. Returns ``optimizer``."""
         if self.config.adam_offload or self.device.type != "cuda":
-            return
+            return optimizer
         engine = self._engine_of(optimizer)
         if engine is not None and engine.zero_optimization_stage() > 0:
             from deepspeed.runtime.zero.offload_config import OffloadStateTypeEnum
 
             engine.offload_states(include=[OffloadStateTypeEnum.optim_states])
-        else:
-            super().maybe_offload_optimizer(optimizer)
+            return optimizer
+        return super().maybe_offload_optimizer(optimizer)
 
     def maybe_load_optimizer(
         self, optimizer: torch.optim.Optimizer, device: torch.device | str | None = None
-    ) -> None:
+    ) -> torch.optim.Optimizer:
         if self.config.adam_offload or self.device.type != "cuda":
-            return
+            return optimizer
         engine = self._engine_of(optimizer)
         if engine is not None and engine.zero_optimization_stage() > 0:
             engine.reload_states()
-        else:
-            super().maybe_load_optimizer(optimizer, device)
+            return optimizer
+        return super().maybe_load_optimizer(optimizer, device)
 
     def _move_model(self, model: nn.Module, device: torch.device) -> None:
         """ZeRO training engines move their 16-bit parameters and gradient buffers with

@@ -1,0 +1,2 @@
+"""Upstream LightRFT's path ``lightrft.strategy.fsdp`` (compatibility only; the backend
+is :mod:`lightrft.strategy.fsdp2`)."""
