@@ -1,9 +1,8 @@
-"""lightrft.testing.launcher on real processes: gloo over loopback, spawn, torchrun.
+"""lightrft.testing.launcher on real processes: gloo over loopback, forkserver and
+spawn, torchrun.
 
-The functions the ranks run are defined at the top of this module so that the spawned
-children can unpickle them by name (``tests.test_launcher.<name>``). Functions that do
-not need torch do not import it: a child that never imports torch starts in well under a
-second, one that does takes several seconds on a small CPU machine.
+The functions the ranks run are defined at the top of this module so that the children
+can unpickle them by name (``tests.test_launcher.<name>``).
 """
 
 from __future__ import annotations
@@ -151,6 +150,12 @@ def _processes(parent: int | None = None, mentioning: str | None = None) -> list
         ppid = int(stat.rsplit(")", 1)[1].split()[1])
         if "multiprocessing.resource_tracker" in cmdline:
             continue  # the stdlib's one tracker per parent, started by the first spawn
+        if "multiprocessing.forkserver" in cmdline:
+            # the stdlib's one forkserver per parent, kept for the next launch: the ranks
+            # it forked are its children, so they are checked among them
+            if parent is not None and ppid == parent:
+                found += _processes(parent=int(entry))
+            continue
         if (parent is not None and ppid == parent) or (mentioning and mentioning in cmdline):
             found.append(f"pid {entry} ppid {ppid}: {stat.split()[2]} {cmdline[:200]}")
     return found
@@ -197,6 +202,38 @@ def test_children_get_rank_env_and_overrides(all_reduce_run: list[dict[str, Any]
     assert all_reduce_run[0]["env"]["MASTER_PORT"] == all_reduce_run[1]["env"]["MASTER_PORT"]
     assert "LIGHTRFT_TEST_MARKER" not in os.environ
     assert os.environ.get("RANK") != "1"
+
+
+def where_torch_came_from() -> dict[str, Any]:
+    import sys
+
+    return {
+        "torch_was_imported": "torch" in sys.modules,
+        "late": os.environ.get("LIGHTRFT_TEST_LATE"),
+        "rank": os.environ["RANK"],
+    }
+
+
+@pytest.mark.parametrize("method", ["forkserver", "spawn"])
+def test_ranks_see_the_parents_environment_as_it_is_now(
+    method: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The forkserver started with an earlier environment; a rank still gets the
+    parent's present one, as a spawned rank does. Forked ranks start with torch imported
+    (that is the point of the forkserver); spawned ones do not."""
+    monkeypatch.setenv("LIGHTRFT_LAUNCHER_START_METHOD", method)
+    run_distributed(where_torch_came_from, 1, init_process_group=False, timeout=60)
+    monkeypatch.setenv("LIGHTRFT_TEST_LATE", "set-after-the-server-started")
+    ranks = run_distributed(where_torch_came_from, 2, init_process_group=False, timeout=60)
+    assert [r["late"] for r in ranks] == ["set-after-the-server-started"] * 2
+    assert [r["rank"] for r in ranks] == ["0", "1"]
+    assert [r["torch_was_imported"] for r in ranks] == [method == "forkserver"] * 2
+
+
+def test_an_unknown_start_method_is_refused_by_name(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LIGHTRFT_LAUNCHER_START_METHOD", "fork")
+    with pytest.raises(ValueError, match=r"LIGHTRFT_LAUNCHER_START_METHOD='fork'.*forkserver"):
+        run_distributed(where_torch_came_from, 1, init_process_group=False)
 
 
 def test_init_process_group_false_leaves_init_to_fn(self_init_run: list[dict[str, Any]]) -> None:
