@@ -7,6 +7,15 @@ adapters import their engine package only when selected. See the package README.
 
 from importlib.metadata import version as _version
 
+from lightrft.engines.capabilities import (
+    ComputeDtype,
+    KeepsSleepState,
+    PromptLimits,
+    TensorParallel,
+    WeightShapes,
+    WeightStreaming,
+    WeightVersion,
+)
 from lightrft.engines.protocol import (
     EngineError,
     GenerationOutput,
@@ -35,17 +44,24 @@ from lightrft.engines.spec import EngineSpec
 __version__ = _version("lightrft-engines")
 
 __all__ = [
+    "ComputeDtype",
     "EngineError",
     "EngineSpec",
     "GenerationOutput",
     "InferenceEngine",
+    "KeepsSleepState",
     "Prompt",
     "PromptError",
+    "PromptLimits",
     "SamplingError",
     "SamplingParams",
     "SleepState",
+    "TensorParallel",
     "UnknownEngineError",
     "WeightMismatchError",
+    "WeightShapes",
+    "WeightStreaming",
+    "WeightVersion",
     "__version__",
     "as_sampling_params",
     "available_engines",

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightrft.engines.capabilities import KeepsSleepState, PromptLimits, WeightShapes, WeightVersion
 from lightrft.engines.multimodal import prompt_media
 from lightrft.engines.protocol import (
     EngineError,
@@ -62,7 +63,7 @@ def _transformers() -> Any:
     return transformers
 
 
-class HFEngine:
+class HFEngine(PromptLimits, WeightShapes, WeightVersion, KeepsSleepState):
     """A causal LM from transformers as an inference engine.
 
     Args:

@@ -10,16 +10,13 @@ they are stale until :meth:`InferenceEngine.update_weights` has sent every weigh
 Waking is by tags: ``"weights"`` first, then sync, then ``"kv_cache"``. Generating
 while anything is asleep, or with stale weights, raises instead of returning garbage.
 
-Besides the required members of :class:`InferenceEngine`, an engine may offer (the
-strategy uses them when present): ``vocab_size`` and ``max_model_len`` (prompts are
-checked against them before any rank generates), ``weight_shapes()`` (name -> shape of
-every parameter a sync must send: names and shapes are checked before the first
-bucket), ``weight_version`` (finished syncs), ``state`` (its :class:`SleepState`:
-the strategy's engine calls then wake a sleeping engine themselves, only what sleeps),
-and ``update_weights_stream(named_tensors)``: one whole sync in one call, the engine
-pulling each ``(name, full tensor)`` from the iterable as it loads it. The strategy then
-hands it a lazy iterable, so each tensor is gathered only when the engine asks for it
-and no bucket is held (instead of ``update_weights`` per bucket and
+Besides the required members of :class:`InferenceEngine`, an engine may offer the
+capabilities of :mod:`lightrft.engines.capabilities` (prompt limits, weight shapes, a
+streamed sync, a weight version, a tensor-parallel size, a :class:`SleepState`, a compute
+dtype); the strategy uses each one it passes an ``isinstance`` check for. With
+``update_weights_stream`` (:class:`~lightrft.engines.capabilities.WeightStreaming`) the
+strategy hands one lazy iterable, so each tensor is gathered only when the engine asks
+for it and no bucket is held (instead of ``update_weights`` per bucket and
 ``finish_weight_update``). The engine must read the iterable to its end or raise; the
 weights count as synced when the call returns; the tensors follow
 :meth:`InferenceEngine.update_weights`' rules (copy, never modify, keep no reference).

@@ -1,3 +1,5 @@
+# size: one adapter around one engine's lifecycle (build, generate, weight sync, sleep, shutdown);
+#   the shared lifecycle is to move to an engine base class (issue 24)
 """The SGLang engine: one ``sglang.Engine`` per tensor-parallel group, on its first rank.
 
 Each group of ``engine_tp_size`` consecutive training ranks shares one SGLang engine,
@@ -43,6 +45,13 @@ from typing import Any
 
 import torch
 
+from lightrft.engines.capabilities import (
+    ComputeDtype,
+    KeepsSleepState,
+    PromptLimits,
+    TensorParallel,
+    WeightVersion,
+)
 from lightrft.engines.multimodal import MODALITIES, prompt_media
 from lightrft.engines.protocol import (
     EngineError,
@@ -119,7 +128,7 @@ def _end_processes(pids: Sequence[int], timeout: float = 30.0) -> None:
             proc.kill()
 
 
-class SGLangEngine:
+class SGLangEngine(PromptLimits, WeightVersion, TensorParallel, KeepsSleepState, ComputeDtype):
     """An ``sglang.Engine`` shared by a tensor-parallel group (build with :meth:`from_spec`).
 
     Args:

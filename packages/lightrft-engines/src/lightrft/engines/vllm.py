@@ -1,3 +1,5 @@
+# size: one adapter around one engine's lifecycle (build, generate, weight sync, sleep, shutdown);
+#   the shared lifecycle is to move to an engine base class (issue 24)
 """The vLLM engine: ``vllm.LLM`` colocated in the training ranks.
 
 Each training rank builds one ``LLM`` with ``distributed_executor_backend=
@@ -47,6 +49,15 @@ from typing import Any
 import torch
 
 from lightrft.engines import vllm_shm
+from lightrft.engines.capabilities import (
+    ComputeDtype,
+    KeepsSleepState,
+    PromptLimits,
+    TensorParallel,
+    WeightShapes,
+    WeightStreaming,
+    WeightVersion,
+)
 from lightrft.engines.protocol import (
     EngineError,
     GenerationOutput,
@@ -126,7 +137,15 @@ def _weight_shapes(model_path: str) -> tuple[dict[str, tuple[int, ...]], dict[st
     return shapes, tied
 
 
-class VLLMEngine:
+class VLLMEngine(
+    PromptLimits,
+    WeightShapes,
+    WeightStreaming,
+    WeightVersion,
+    TensorParallel,
+    KeepsSleepState,
+    ComputeDtype,
+):
     """A ``vllm.LLM`` as an inference engine (build it with :meth:`from_spec`)."""
 
     generate_on_every_rank = True

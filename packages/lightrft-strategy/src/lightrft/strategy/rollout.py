@@ -1,3 +1,5 @@
+# size: the engine calls (weight sync, generation, sleep/wake) of one mixin; to be split into an
+#   engine-link component, one module each, by issue 24
 """The inference-engine calls of every strategy: setup, weight sync, generation, sleep.
 
 The strategy talks to an engine only through the protocol of
@@ -42,6 +44,15 @@ def _protocol() -> Any:
             "pip install 'lightrft-strategy[engines]'"
         ) from exc
     return protocol
+
+
+def _capabilities() -> Any:
+    """:mod:`lightrft.engines.capabilities`: what an engine offers is asked only through
+    its protocols' ``isinstance`` checks."""
+    _protocol()  # the error naming the extra
+    from lightrft.engines import capabilities
+
+    return capabilities
 
 
 class _SyncTensors:
@@ -96,6 +107,7 @@ class InferenceEngineCalls:
     #: For an engine that keeps no SleepState: the wake-up tags of what the strategy
     #: itself put to sleep (so its engine calls wake what they slept, and only that).
     _slept_tags: frozenset[str] = frozenset()
+    _warned_no_sleep: bool = False
 
     if TYPE_CHECKING:  # provided by StrategyBase
         config: StrategyConfig
@@ -156,7 +168,12 @@ class InferenceEngineCalls:
                 f"{type(engine).__name__} is not an inference engine: it lacks "
                 f"{', '.join(missing)} (see lightrft.engines.protocol.InferenceEngine)"
             )
-        tp = self._check_tp(int(getattr(engine, "tp_size", None) or self._sizes().engine_tp_size))
+        offered = _capabilities()
+        tp = self._check_tp(
+            int(engine.tp_size)
+            if isinstance(engine, offered.TensorParallel) and engine.tp_size
+            else self._sizes().engine_tp_size
+        )
         rank = self.get_rank()
         self._engine_group_ranks = tuple(rank - rank % tp + i for i in range(tp))
         self._engine_group = None
@@ -249,8 +266,9 @@ class InferenceEngineCalls:
                     "drop it)"
                 )
             source[target], sent[target] = name, _full_shape(param)
-        shapes = getattr(engine, "weight_shapes", None)
-        expected = shapes() if callable(shapes) else None  # None: the engine cannot tell
+        offered = _capabilities()
+        # None: the engine cannot tell
+        expected = engine.weight_shapes() if isinstance(engine, offered.WeightShapes) else None
         if expected is not None:
             _protocol().check_weight_shapes(expected, sent)
         # a sleeping engine is woken, as upstream's update_engine_weights wakes it before
@@ -272,8 +290,8 @@ class InferenceEngineCalls:
                 yield target, value
 
         started = time.perf_counter()
-        stream = getattr(engine, "update_weights_stream", None)
-        if callable(stream):
+        if isinstance(engine, offered.WeightStreaming):
+            stream = engine.update_weights_stream
             load_s = self._stream_weights(engine, stream, _SyncTensors(full_tensors()))
             buckets = 1 if counts["tensors"] else 0
         else:
@@ -285,7 +303,7 @@ class InferenceEngineCalls:
             "bytes": counts["bytes"],
             "gather_s": time.perf_counter() - started - load_s,
             "load_s": load_s,
-            "weight_version": getattr(engine, "weight_version", None),
+            "weight_version": _weight_version(engine),
         }
         if self.config.verify_engine_sync if verify is None else verify:
             stats.update(self.verify_engine_weights(model))
@@ -360,7 +378,8 @@ class InferenceEngineCalls:
         protocol = _protocol()
         engine = self._require_engine("verify_engine_weights")
         model = training_module(model)  # upstream's actor: its Hugging Face model
-        vocab = int(getattr(engine, "vocab_size", None) or 2)
+        limits = _limits(engine)
+        vocab = int(limits[0] or 2)
         ids = list(probe) if probe is not None else [(7 * i + 3) % vocab for i in range(8)]
         params = protocol.SamplingParams(
             max_new_tokens=max_new_tokens, temperature=0.0, logprobs=True
@@ -390,9 +409,9 @@ class InferenceEngineCalls:
         ]
         gap = max(gaps, default=0.0)
         if tolerance is None:
-            fp32 = self.config.resolved_precision == "fp32" and getattr(
-                engine, "dtype", "float32"
-            ) in ("float32", torch.float32)
+            offered = _capabilities()
+            dtype = engine.dtype if isinstance(engine, offered.ComputeDtype) else "float32"
+            fp32 = self.config.resolved_precision == "fp32" and dtype in ("float32", torch.float32)
             tolerance = 1e-3 if fp32 else 0.1
         if not gap <= tolerance:  # NaN fails too
             worst = gaps.index(gap)
@@ -400,7 +419,7 @@ class InferenceEngineCalls:
                 f"the engine's weights are not the trainer's: its logprob of output token "
                 f"{worst} of the probe differs by {gap:.3g} > tolerance {tolerance:g} "
                 f"(probe {ids}, engine weight_version "
-                f"{getattr(engine, 'weight_version', '?')}). The last update_engine_weights "
+                f"{_weight_version(engine) or '?'}). The last update_engine_weights "
                 "did not reach the engine, or it computes in another precision (pass "
                 "tolerance=)"
             )
@@ -564,11 +583,12 @@ class InferenceEngineCalls:
             for i, p in enumerate(prompts)
             if not (isinstance(p, Mapping) and "prompt_token_ids" not in p and "prompt" in p)
         ]
+        vocab_size, max_model_len = _limits(engine)
         for index, prompt in token_prompts:
             protocol.check_prompts(
                 [prompt], params,
-                vocab_size=getattr(engine, "vocab_size", None),
-                max_model_len=getattr(engine, "max_model_len", None),
+                vocab_size=vocab_size,
+                max_model_len=max_model_len,
                 describe=lambda _, index=index: describe(index),
             )  # fmt: skip
 
@@ -629,7 +649,7 @@ class InferenceEngineCalls:
                 return False  # already asleep (upstream's gather_and_generate sleeps after)
             self._wake_tags(asleep)
         if not engine.supports_sleep:
-            if not getattr(self, "_warned_no_sleep", False):
+            if not self._warned_no_sleep:
                 logger.warning(
                     "enable_engine_sleep is set but %s cannot sleep here; the strategy skips "
                     "sleeping (logged once)",
@@ -650,7 +670,7 @@ class InferenceEngineCalls:
 
     @staticmethod
     def _keeps_state(engine: Any) -> bool:
-        return callable(getattr(getattr(engine, "state", None), "asleep_tags", None))
+        return isinstance(engine, _capabilities().KeepsSleepState)
 
     def _sleeping(self, tags: Sequence[str] | None) -> list[str]:
         """Which of ``tags`` (None: all) sleep, in wake-up order: what the engine's
@@ -687,6 +707,17 @@ class InferenceEngineCalls:
         asleep = self._sleeping(tags)
         if asleep:
             self._wake_tags(asleep)
+
+
+def _weight_version(engine: Any) -> int | None:
+    return engine.weight_version if isinstance(engine, _capabilities().WeightVersion) else None
+
+
+def _limits(engine: Any) -> tuple[int | None, int | None]:
+    """The engine's (vocab_size, max_model_len); None where it does not know."""
+    if isinstance(engine, _capabilities().PromptLimits):
+        return engine.vocab_size, engine.max_model_len
+    return None, None
 
 
 def _more_media(kwargs: Mapping[str, Any]) -> dict[str, tuple[Any, Any]]:

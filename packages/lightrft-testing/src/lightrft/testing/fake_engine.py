@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from lightrft.engines.capabilities import KeepsSleepState, PromptLimits, WeightShapes
 from lightrft.engines.protocol import (
     EngineError,
     GenerationOutput,
@@ -87,7 +88,7 @@ def weights_digest(weights: Mapping[str, WeightRecord]) -> str:
     return digest.hexdigest()
 
 
-class FakeEngine:
+class FakeEngine(PromptLimits, WeightShapes, KeepsSleepState):
     """An in-process engine: generations a deterministic function of the prompt, the
     sampling parameters and the weights received (the module's output rule), sleep/wake
     levels enforced, weight syncs recorded.
@@ -119,7 +120,9 @@ class FakeEngine:
     ) -> None:
         if vocab_size < 2:
             raise ValueError(f"FakeEngine vocab_size={vocab_size} must be >= 2")
-        self.vocab_size = vocab_size
+        self.vocab_size: int = vocab_size
+        #: No length limit (prompts are checked against the vocabulary only).
+        self.max_model_len: int | None = None
         self.policy = policy.eval() if policy is not None else None  # no dropout
         #: The policy's parameters by name (a tied weight once), which syncs replace.
         self._policy_params = dict(policy.named_parameters()) if policy is not None else {}

@@ -1,0 +1,84 @@
+"""The optional capabilities: which adapter declares which, and that the checks are
+structural (an engine of another package passes by having the members)."""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Iterable
+from typing import Any
+
+import pytest
+
+from lightrft.engines import capabilities as caps
+from lightrft.engines import protocol
+
+ALL = {
+    caps.PromptLimits, caps.WeightShapes, caps.WeightStreaming, caps.WeightVersion,
+    caps.TensorParallel, caps.KeepsSleepState, caps.ComputeDtype,
+}  # fmt: skip
+DECLARED = {
+    "lightrft.engines.hf:HFEngine": {
+        caps.PromptLimits, caps.WeightShapes, caps.WeightVersion, caps.KeepsSleepState,
+    },
+    "lightrft.engines.vllm:VLLMEngine": ALL,
+    "lightrft.engines.sglang:SGLangEngine": {
+        caps.PromptLimits, caps.WeightVersion, caps.TensorParallel, caps.KeepsSleepState,
+        caps.ComputeDtype,
+    },
+    "lightrft.testing.fake_engine:FakeEngine": {
+        caps.PromptLimits, caps.WeightShapes, caps.KeepsSleepState,
+    },
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("where", list(DECLARED))
+def test_each_adapter_declares_what_it_offers(where: str) -> None:
+    module, name = where.split(":")
+    cls = getattr(importlib.import_module(module), name)
+    assert {c for c in ALL if c in cls.__mro__} == DECLARED[where]
+    # a declared capability's methods are the adapter's own, not the protocol's stubs
+    for capability in DECLARED[where]:
+        for member in ("weight_shapes", "update_weights_stream"):
+            if hasattr(capability, member):
+                assert getattr(cls, member) is not getattr(capability, member), (name, member)
+
+
+def test_an_engine_passes_by_having_the_members() -> None:
+    class Plain:
+        vocab_size = 32
+        max_model_len = None
+        weight_version = 3
+
+        def weight_shapes(self) -> dict[str, tuple[int, ...]]:
+            return {"w": (2, 2)}
+
+    engine: Any = Plain()
+    assert isinstance(engine, caps.PromptLimits)
+    assert isinstance(engine, caps.WeightShapes)
+    assert isinstance(engine, caps.WeightVersion)
+    assert not isinstance(engine, caps.WeightStreaming)
+    assert not isinstance(engine, caps.TensorParallel)
+    assert not isinstance(engine, caps.KeepsSleepState)
+
+
+def test_a_fake_engine_streams_only_when_asked() -> None:
+    from lightrft.testing.fake_engine import FakeEngine
+
+    assert not isinstance(FakeEngine(), caps.WeightStreaming)
+    streaming = FakeEngine(weight_stream=True)
+    assert isinstance(streaming, caps.WeightStreaming)
+    assert isinstance(streaming, protocol.InferenceEngine)
+    assert isinstance(streaming.state, protocol.SleepState)
+
+
+def test_the_stream_signature_is_the_protocols() -> None:
+    import inspect
+
+    from lightrft.engines.vllm import VLLMEngine
+
+    ours = inspect.signature(VLLMEngine.update_weights_stream)
+    theirs = inspect.signature(caps.WeightStreaming.update_weights_stream)
+    assert list(ours.parameters) == list(theirs.parameters)
+    assert ours.parameters["named_tensors"].annotation in (
+        "Iterable[tuple[str, torch.Tensor]]", Iterable[tuple[str, Any]],
+    )  # fmt: skip
