@@ -1,16 +1,12 @@
-"""Every strategy joins a process group when built (a world of one in this process);
-a test that does not close its strategy must not hand that group to the next test."""
+"""Every test here is policed by lightrft-testing's ``no_leaks`` fixture: a test that
+leaves a process group initialised (every strategy joins one when built: close it), an
+environment variable changed or a thread running fails, and the next test starts clean."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
-import torch.distributed as dist
 
 
 @pytest.fixture(autouse=True)
-def _no_process_group_left_behind() -> Iterator[None]:
-    yield
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
+def _police(no_leaks: None) -> None:
+    """Fail the test that leaks (see :mod:`lightrft.testing.leaks`)."""

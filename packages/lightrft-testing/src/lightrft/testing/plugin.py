@@ -12,7 +12,14 @@ is imported until a fixture is used:
 * ``checkpoint_dir``: an empty directory for ``save_ckpt``;
 * ``run_on_ranks``: ``run_on_ranks(fn, world_size, *args, **kwargs)`` runs ``fn`` on
   that many real gloo ranks (free port, timeout) and returns every rank's result
-  (:func:`lightrft.testing.launcher.run_distributed`).
+  (:func:`lightrft.testing.launcher.run_distributed`);
+* ``no_leaks``: fails the test that leaves a process group initialised, an environment
+  variable changed or a thread running, and cleans up after it
+  (:mod:`lightrft.testing.leaks`). Use it in every test of a suite with an autouse
+  fixture in its ``conftest.py``::
+
+      @pytest.fixture(autouse=True)
+      def _police(no_leaks: None) -> None: ...
 """
 
 from __future__ import annotations
@@ -78,6 +85,18 @@ def checkpoint_dir(tmp_path: Path) -> Path:
     path = tmp_path / "checkpoints"
     path.mkdir()
     return path
+
+
+@pytest.fixture
+def no_leaks() -> Iterator[None]:
+    from lightrft.testing import leaks
+
+    before = leaks.snapshot()
+    yield
+    found = leaks.find(before)
+    leaks.clean_up(before)
+    if found:
+        pytest.fail("the test left behind:\n  " + "\n  ".join(found), pytrace=False)
 
 
 @pytest.fixture
