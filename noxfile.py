@@ -239,10 +239,12 @@ def testing(session: nox.Session) -> None:
 
 @nox.session(python=DEFAULT_PYTHON)
 def lint(session: nox.Session) -> None:
-    """ruff lint and format check over the whole repository."""
+    """ruff lint and format check over the whole repository; the layout rules (module
+    size, no import cycle: tools/check_layout.py)."""
     sync(session, None, "--only-group", "lint")
     session.run("ruff", "check", ".")
     session.run("ruff", "format", "--check", ".")
+    session.run("python", "tools/check_layout.py")
 
 
 @nox.session(python=DEFAULT_PYTHON)

@@ -1,3 +1,5 @@
+# size: one pydantic model: upstream's ~90 fields, their descriptions and the validators that join
+#   them are one unit a reader checks together
 """`StrategyConfig`: the settings of a LightRFT training strategy, typed and checked.
 
 Field names and defaults are upstream LightRFT's, so an existing argparse namespace
@@ -15,11 +17,14 @@ Which fields are read, and where (modules of ``lightrft.strategy`` unless named)
   train_batch_size, bf16, zpg, grad_accum_dtype, overlap_comm and engine_type as
   upstream's read-only strategy attributes.
 * ``optim``: lr_scheduler, lr_warmup_ratio, min_lr_ratio.
-* ``rollout``: engine_tp_size, ``sleep_level``, verify_engine_sync; it builds the
+* ``rollout``: engine_tp_size, ``sleep_level``, verify_engine_sync,
+  ``resolved_precision`` (the tolerance of ``verify_engine_weights``); it builds the
   engine with lightrft-engines' ``build_engine``, which reads engine_type,
   engine_tp_size, engine_mem_util, engine_max_model_len, precision/bf16, seed, device,
   the sleep fields, and the extras ``pretrain`` (the model), ``prompt_max_len`` +
   ``generate_max_len`` and ``engine_options``.
+* ``base`` with ``sequence_parallel`` and ``ulysses``: sp_size (the groups, the
+  sequence split, the data-parallel sampler).
 * ``checkpoint.manager``: max_ckpt_num, max_ckpt_mem.
 * ``deepspeed`` (``strategy``, ``ds_config``): zero_stage, precision/bf16, max_norm,
   micro_train_batch_size, train_batch_size, sp_size, zpg, overlap_comm,

@@ -1,9 +1,15 @@
+# size: still the whole training API plus backend hooks; to be split into components (backend,
+#   checkpoint manager, engine link) by issue 24
 """`StrategyBase`: the one interface training code is written against.
 
-Everything whose meaning must not depend on the backend lives here (distributed
-setup, seeding, data loading, collectives, gradient accumulation and clipping,
-checkpoint layout); a backend supplies how models are wrapped and how their state is
-saved, gathered and loaded.
+The class holds the lifecycle (distributed setup, seeding, readiness, close) and the
+training API (prepare, backward, optimizer step with accumulation and clipping, data
+loaders, checkpoints, models saved for Hugging Face); the engine calls (weight sync,
+generation, sleep/wake) are mixed in from :mod:`lightrft.strategy.rollout`. The work
+lives in modules of its own that this class calls: collectives, data, stepping,
+optim, the checkpoint manager and sequence parallelism (``sequence_parallel``,
+``ulysses``). A backend (FSDP2, DeepSpeed) supplies how models are wrapped and how
+their state is saved, gathered and loaded: the abstract methods below.
 """
 
 from __future__ import annotations
@@ -146,7 +152,9 @@ class StrategyBase(InferenceEngineCalls, metaclass=ReadyOnConstruction):
     @property
     def accumulated_gradient(self) -> int:
         """Micro-batches per optimizer step: ``train_batch_size / (micro_train_batch_size
-        * world_size)``. Known once :meth:`setup_distributed` has run."""
+        * dp)``, with ``dp = world_size / sp_size`` data-parallel replicas (the ranks of a
+        sequence-parallel group share one micro-batch). Known once
+        :meth:`setup_distributed` has run."""
         self._require_setup("accumulated_gradient")
         return self._accumulated_gradient
 

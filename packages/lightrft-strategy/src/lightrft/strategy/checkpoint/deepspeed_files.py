@@ -34,8 +34,8 @@ from typing import Any
 
 import torch
 
+from lightrft.strategy.checkpoint.contents import CheckpointContents, OptimizerContents
 from lightrft.strategy.checkpoint.layout import CheckpointError, CheckpointInfo
-from lightrft.strategy.checkpoint.offline import CheckpointContents, OptimizerContents
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 _RANK_FILE = re.compile(r"(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_00_(model|optim)_states\.pt")

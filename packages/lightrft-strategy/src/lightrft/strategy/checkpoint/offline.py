@@ -18,12 +18,12 @@ from __future__ import annotations
 
 import io
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from lightrft.strategy.checkpoint.contents import CheckpointContents, OptimizerContents
 from lightrft.strategy.checkpoint.layout import (
     LATEST_FILE,
     METADATA_FILE,
@@ -33,22 +33,17 @@ from lightrft.strategy.checkpoint.layout import (
     CheckpointNotFoundError,
 )
 
+__all__ = [
+    "DCP_DIR",
+    "CheckpointContents",
+    "OptimizerContents",
+    "looks_like_tag",
+    "open_checkpoint",
+    "read_contents",
+    "read_dcp",
+]
+
 DCP_DIR = "dcp"  # the FSDP2 backend's directory inside a tag
-
-
-@dataclass
-class OptimizerContents:
-    """An optimizer's full state keyed by parameter name (not by torch's integer ids)."""
-
-    state: dict[str, dict[str, torch.Tensor]]
-    param_groups: list[dict[str, Any]]
-
-
-@dataclass
-class CheckpointContents:
-    info: CheckpointInfo
-    weights: dict[str, torch.Tensor]
-    optimizer: OptimizerContents | None = None  # None: not read, or it never stepped
 
 
 def open_checkpoint(path: str | Path, tag: str | None = None) -> CheckpointInfo:

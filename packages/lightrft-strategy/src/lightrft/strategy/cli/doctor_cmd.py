@@ -1,3 +1,4 @@
+# size: one command's checks, each a short function in the order the report prints them
 """``lightrft doctor``: which backends, engines and devices work here, and what to install.
 
 Every backend and engine is checked by importing it as ``get_strategy`` or

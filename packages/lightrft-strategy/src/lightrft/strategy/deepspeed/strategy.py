@@ -1,3 +1,5 @@
+# size: the DeepSpeed backend (engine wrapping, ZeRO-3 init context, state dicts, checkpoint files)
+#   in one class; its checkpoint and config parts live beside it
 """`DeepspeedStrategy`: StrategyBase over DeepSpeed engines, ZeRO stages 0-3."""
 
 from __future__ import annotations
