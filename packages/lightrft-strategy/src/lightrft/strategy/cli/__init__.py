@@ -17,7 +17,7 @@ import click
 
 #: command name -> "module:attribute" of its click command, imported on first use
 COMMANDS = {
-    "config": "lightrft.strategy.cli.config_cmd:config",
+    "config": "lightrft.config.cli:config",
     "ckpt": "lightrft.strategy.cli.ckpt_cmd:ckpt",
     "doctor": "lightrft.strategy.cli.doctor_cmd:doctor",
 }

@@ -28,7 +28,7 @@ from typing import Any
 import click
 
 from lightrft.config.backends import ENGINE_ENTRY_POINT_GROUP, ENTRY_POINT_GROUP
-from lightrft.strategy.cli.config_cmd import (
+from lightrft.config.cli import (
     PASS_THROUGH,
     PassThroughCommand,
     Resolved,

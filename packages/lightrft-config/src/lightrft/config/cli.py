@@ -1,4 +1,9 @@
-"""``lightrft config show|validate|schema``: what a configuration resolves to.
+"""``lightrft config show|validate|schema`` (also ``python -m lightrft.config``): what a
+configuration resolves to. Needs click (extra ``cli``); lightrft-strategy's ``lightrft``
+command mounts this group.
+
+Exit status: 0 when the command did what it was asked, 1 when the configuration is
+invalid (every problem listed), 2 for a usage error (an unknown flag or command).
 
 Values are layered as :meth:`StrategyConfig.from_argv` layers them: defaults < the
 ``--config`` file < ``LIGHTRFT_*`` environment variables < flags, and each value is
@@ -8,7 +13,8 @@ by lightrft.config's own argparse flags.
 
 Flag values are read as text and converted by the config's validation, as environment
 variables are, so that ``validate`` reports every bad value at once instead of stopping
-at the first one argparse would refuse. ``doctor`` resolves its configuration here too.
+at the first one argparse would refuse. ``lightrft doctor`` resolves its configuration
+here too.
 """
 
 from __future__ import annotations
