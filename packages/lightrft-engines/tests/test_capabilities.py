@@ -11,6 +11,7 @@ import pytest
 
 from lightrft.engines import capabilities as caps
 from lightrft.engines import protocol
+from lightrft.engines.base import EngineBase
 
 ALL = {
     caps.PromptLimits, caps.WeightShapes, caps.WeightStreaming, caps.WeightVersion,
@@ -26,7 +27,7 @@ DECLARED = {
         caps.ComputeDtype,
     },
     "lightrft.testing.fake_engine:FakeEngine": {
-        caps.PromptLimits, caps.WeightShapes, caps.KeepsSleepState,
+        caps.PromptLimits, caps.WeightShapes, caps.KeepsSleepState, caps.WeightVersion,
     },
 }  # fmt: skip
 
@@ -82,3 +83,57 @@ def test_the_stream_signature_is_the_protocols() -> None:
     assert ours.parameters["named_tensors"].annotation in (
         "Iterable[tuple[str, torch.Tensor]]", Iterable[tuple[str, Any]],
     )  # fmt: skip
+
+
+# -- EngineBase: the lifecycle the adapters share ------------------------------------------
+class _Recorder(EngineBase):
+    def __init__(self, fail_release: bool = False) -> None:
+        super().__init__(supports_sleep=True)
+        self.calls: list[tuple[Any, ...]] = []
+        self.fail_release = fail_release
+
+    def _release(self, level: int) -> None:
+        self.calls.append(("release", level))
+        if self.fail_release:
+            raise RuntimeError("the engine could not free its memory")
+
+    def _resume(self, tags: Any, asleep: Any, level: int | None) -> None:
+        self.calls.append(("resume", tags, list(asleep), level))
+
+    def _close(self) -> None:
+        self.calls.append(("close",))
+
+
+def test_every_adapter_shares_the_engine_base() -> None:
+    for where in DECLARED:
+        module, name = where.split(":")
+        assert issubclass(getattr(importlib.import_module(module), name), EngineBase), name
+
+
+def test_the_base_runs_sleep_wake_and_shutdown_around_the_adapters_steps() -> None:
+    engine = _Recorder()
+    engine.sleep(2)
+    assert engine.state.asleep_tags() == ["weights", "kv_cache"]
+    engine.wake_up(["weights"])
+    engine.wake_up(None)
+    assert engine.calls == [
+        ("release", 2),
+        ("resume", ["weights"], ["weights", "kv_cache"], 2),
+        ("resume", None, ["kv_cache"], 2),
+    ]
+    assert engine.weight_version == 0
+    engine._synced()
+    assert engine.weight_version == 1 and not engine.state.weights_stale
+    engine.shutdown()
+    engine.shutdown()
+    assert engine.calls[-2:] == [("resume", None, ["kv_cache"], 2), ("close",)]
+    assert engine.closed
+    with pytest.raises(protocol.EngineError, match=r"shut down \(_Recorder\)"):
+        engine.sleep(1)
+
+
+def test_a_failed_release_leaves_the_engine_awake() -> None:
+    engine = _Recorder(fail_release=True)
+    with pytest.raises(RuntimeError, match="could not free"):
+        engine.sleep(1)
+    assert engine.state.asleep_tags() == []

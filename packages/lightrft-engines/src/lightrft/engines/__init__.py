@@ -7,6 +7,7 @@ adapters import their engine package only when selected. See the package README.
 
 from importlib.metadata import version as _version
 
+from lightrft.engines.base import EngineBase
 from lightrft.engines.capabilities import (
     ComputeDtype,
     KeepsSleepState,
@@ -45,6 +46,7 @@ __version__ = _version("lightrft-engines")
 
 __all__ = [
     "ComputeDtype",
+    "EngineBase",
     "EngineError",
     "EngineSpec",
     "GenerationOutput",

@@ -71,8 +71,10 @@ class WeightStreaming(Protocol):
 
 @runtime_checkable
 class WeightVersion(Protocol):
-    #: How many syncs have finished.
-    weight_version: int
+    @property
+    def weight_version(self) -> int:
+        """How many syncs have finished."""
+        ...
 
 
 @runtime_checkable

@@ -29,14 +29,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightrft.engines.capabilities import KeepsSleepState, PromptLimits, WeightShapes, WeightVersion
+from lightrft.engines.base import EngineBase
+from lightrft.engines.capabilities import PromptLimits, WeightShapes
 from lightrft.engines.multimodal import prompt_media
 from lightrft.engines.protocol import (
     EngineError,
     GenerationOutput,
     Prompt,
     PromptError,
-    SleepState,
     as_sampling_params,
     check_prompts,
     check_weight_shapes,
@@ -63,7 +63,7 @@ def _transformers() -> Any:
     return transformers
 
 
-class HFEngine(PromptLimits, WeightShapes, WeightVersion, KeepsSleepState):
+class HFEngine(EngineBase, PromptLimits, WeightShapes):
     """A causal LM from transformers as an inference engine.
 
     Args:
@@ -78,7 +78,6 @@ class HFEngine(PromptLimits, WeightShapes, WeightVersion, KeepsSleepState):
             built for the Qwen2-VL family); None: prompts with media are refused.
     """
 
-    supports_sleep = True
     generate_on_every_rank = True
 
     def __init__(
@@ -90,6 +89,7 @@ class HFEngine(PromptLimits, WeightShapes, WeightVersion, KeepsSleepState):
         max_batch_size: int | None = None,
         media_processor: MediaProcessor | None = None,
     ) -> None:
+        super().__init__(supports_sleep=True)
         self.device = torch.device(device)
         self.model = model.to(self.device).eval()
         config: Any = model.config
@@ -101,11 +101,8 @@ class HFEngine(PromptLimits, WeightShapes, WeightVersion, KeepsSleepState):
         self.max_batch_size = max_batch_size
         self.media_processor = media_processor
         self.pad_token_id = int(getattr(text, "pad_token_id", None) or 0)
-        self.state = SleepState(supports_sleep=True)
-        self.weight_version = 0
         self._params = dict(self.model.named_parameters())
         self._staged: dict[str, torch.Tensor] = {}
-        self._closed = False
 
     @classmethod
     def from_spec(cls, spec: EngineSpec) -> HFEngine:
@@ -291,32 +288,20 @@ class HFEngine(PromptLimits, WeightShapes, WeightVersion, KeepsSleepState):
         with torch.no_grad():
             for name, tensor in staged.items():
                 self._params[name].copy_(tensor)
-        self.weight_version += 1
-        self.state.weights_synced()
+        self._synced()
 
     # -- sleep -------------------------------------------------------------------------
-    def sleep(self, level: int = 1) -> None:
-        self._check_open()
-        with self.state.rollback_on_error():
-            self.state.sleep(level)
-            if self.device.type != "cpu":
-                self.model.to("cpu")
-                torch.cuda.empty_cache()
+    def _release(self, level: int) -> None:
+        if self.device.type != "cpu":
+            self.model.to("cpu")
+            torch.cuda.empty_cache()
 
-    def wake_up(self, tags: Sequence[str] | None = None) -> None:
-        self._check_open()
-        with self.state.rollback_on_error():
-            self.state.wake_up(tags)
-            if self.state.weights_awake and self.device.type != "cpu":
-                self.model.to(self.device)
+    def _resume(self, tags: Sequence[str] | None, asleep: Sequence[str], level: int | None) -> None:
+        if self.state.weights_awake and self.device.type != "cpu":
+            self.model.to(self.device)
 
-    def shutdown(self) -> None:
-        self._closed = True
+    def _close(self) -> None:
         self._staged.clear()
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise EngineError("the engine was shut down")
 
 
 #: vLLM/SGLang sampling options that ``generate`` takes under its own name.

@@ -45,19 +45,13 @@ from typing import Any
 
 import torch
 
-from lightrft.engines.capabilities import (
-    ComputeDtype,
-    KeepsSleepState,
-    PromptLimits,
-    TensorParallel,
-    WeightVersion,
-)
+from lightrft.engines.base import EngineBase
+from lightrft.engines.capabilities import ComputeDtype, PromptLimits, TensorParallel
 from lightrft.engines.multimodal import MODALITIES, prompt_media
 from lightrft.engines.protocol import (
     EngineError,
     GenerationOutput,
     Prompt,
-    SleepState,
     as_sampling_params,
     check_prompts,
 )
@@ -128,7 +122,7 @@ def _end_processes(pids: Sequence[int], timeout: float = 30.0) -> None:
             proc.kill()
 
 
-class SGLangEngine(PromptLimits, WeightVersion, TensorParallel, KeepsSleepState, ComputeDtype):
+class SGLangEngine(EngineBase, PromptLimits, TensorParallel, ComputeDtype):
     """An ``sglang.Engine`` shared by a tensor-parallel group (build with :meth:`from_spec`).
 
     Args:
@@ -159,20 +153,17 @@ class SGLangEngine(PromptLimits, WeightVersion, TensorParallel, KeepsSleepState,
         max_model_len: int | None = None,
         started: Sequence[int] = (),
     ) -> None:
+        super().__init__(supports_sleep=sleep_mode)
         self.engine = engine
         self.api = api
         self.tp_size = tp_size
         self.group = group
         self.leader = leader
         self.dtype = dtype
-        self.supports_sleep = sleep_mode
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
-        self.state = SleepState(supports_sleep=sleep_mode)
-        self.weight_version = 0
         self._started = list(started)
         self._session_open = False
-        self._closed = False
 
     # -- construction ------------------------------------------------------------------
     @classmethod
@@ -412,8 +403,7 @@ class SGLangEngine(PromptLimits, WeightVersion, TensorParallel, KeepsSleepState,
                     self.api.call(self.engine, "Engine", "end_weight_update"), "end_weight_update"
                 )
             self.api.call(self.engine, "Engine", "flush_cache")
-        self.state.weights_synced()
-        self.weight_version += 1
+        self._synced()
 
     @staticmethod
     def _expect_ok(result: Any, call: str) -> None:
@@ -427,43 +417,30 @@ class SGLangEngine(PromptLimits, WeightVersion, TensorParallel, KeepsSleepState,
             raise EngineError(f"SGLang refused {call}: {message}")
 
     # -- sleep -------------------------------------------------------------------------
-    def sleep(self, level: int = 1) -> None:
+    def _release(self, level: int) -> None:
         """Level 1: release the KV cache and CUDA graphs. Level 2: also the weights
         (stale until the next full sync)."""
-        self._check_open()
-        with self.state.rollback_on_error():
-            self.state.sleep(level)
-            if self.leader:
-                self.api.call(
-                    self.engine, "Engine", "release_memory_occupation", tags=RELEASE_TAGS[level]
-                )
+        if self.leader:
+            self.api.call(
+                self.engine, "Engine", "release_memory_occupation", tags=RELEASE_TAGS[level]
+            )
 
-    def wake_up(self, tags: Sequence[str] | None = None) -> None:
+    def _resume(self, tags: Sequence[str] | None, asleep: Sequence[str], level: int | None) -> None:
         """Resume ``tags`` (default: weights, then KV cache) in that order."""
-        self._check_open()
-        level = self.state.level
-        was = {"weights": self.state.weights_awake, "kv_cache": self.state.kv_awake}
-        with self.state.rollback_on_error():
-            self.state.wake_up(tags)
-            if not self.leader:
-                return
-            for tag in ("weights", "kv_cache"):
-                if tags is not None and tag not in tags:
-                    continue
-                if was[tag] or (tag == "weights" and level == 1):  # level 1 kept the weights
-                    continue
-                self.api.call(
-                    self.engine, "Engine", "resume_memory_occupation", tags=RESUME_TAGS[tag]
-                )
+        if not self.leader:
+            return
+        for tag in ("weights", "kv_cache"):
+            if tags is not None and tag not in tags:
+                continue
+            if tag not in asleep or (tag == "weights" and level == 1):  # level 1 kept them
+                continue
+            self.api.call(self.engine, "Engine", "resume_memory_occupation", tags=RESUME_TAGS[tag])
 
     # -- teardown ----------------------------------------------------------------------
-    def shutdown(self) -> None:
+    def _close(self) -> None:
         """Stop SGLang. Its own ``shutdown()`` kills every child of this process, so it
         is called only when SGLang's are the only children; otherwise SGLang's recorded
         processes are ended and the others left running."""
-        if self._closed:
-            return
-        self._closed = True
         engine, self.engine = self.engine, None
         if engine is None:
             return
@@ -478,10 +455,6 @@ class SGLangEngine(PromptLimits, WeightVersion, TensorParallel, KeepsSleepState,
             self._started,
         )
         _end_processes(self._started)
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise EngineError("the engine was shut down")
 
 
 def _to_output(

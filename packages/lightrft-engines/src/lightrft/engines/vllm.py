@@ -49,21 +49,19 @@ from typing import Any
 import torch
 
 from lightrft.engines import vllm_shm
+from lightrft.engines.base import EngineBase
 from lightrft.engines.capabilities import (
     ComputeDtype,
-    KeepsSleepState,
     PromptLimits,
     TensorParallel,
     WeightShapes,
     WeightStreaming,
-    WeightVersion,
 )
 from lightrft.engines.protocol import (
     EngineError,
     GenerationOutput,
     Prompt,
     SamplingParams,
-    SleepState,
     WeightMismatchError,
     as_sampling_params,
     check_prompts,
@@ -138,13 +136,7 @@ def _weight_shapes(model_path: str) -> tuple[dict[str, tuple[int, ...]], dict[st
 
 
 class VLLMEngine(
-    PromptLimits,
-    WeightShapes,
-    WeightStreaming,
-    WeightVersion,
-    TensorParallel,
-    KeepsSleepState,
-    ComputeDtype,
+    EngineBase, PromptLimits, WeightShapes, WeightStreaming, TensorParallel, ComputeDtype
 ):
     """A ``vllm.LLM`` as an inference engine (build it with :meth:`from_spec`)."""
 
@@ -162,10 +154,10 @@ class VLLMEngine(
         weight_shapes: Mapping[str, tuple[int, ...]] | None = None,
         tied: Mapping[str, str] | None = None,
     ) -> None:
+        super().__init__(supports_sleep=sleep_mode)
         self.llm = llm
         self.tp_size = tp_size
         self.dtype = dtype
-        self.supports_sleep = sleep_mode
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self._shapes = dict(weight_shapes) if weight_shapes is not None else None
@@ -173,11 +165,8 @@ class VLLMEngine(
         self._groups = _layer_groups(self._shapes) if self._shapes is not None else None
         self._pending: dict[str, torch.Tensor] = {}
         self._loaded: set[str] = set()  # names reloaded in the sync under way
-        self.state = SleepState(supports_sleep=sleep_mode)
-        self.weight_version = 0
         self._sampling_cls = type(_vllm().SamplingParams())
         self._top_k_off = _top_k_off(self._sampling_cls)
-        self._closed = False
 
     @classmethod
     def from_spec(cls, spec: EngineSpec) -> VLLMEngine:
@@ -440,39 +429,25 @@ class VLLMEngine(
         reset = getattr(self.llm, "reset_prefix_cache", None)
         if callable(reset):  # cached prefixes were computed with the old weights
             reset()
-        self.weight_version += 1
-        self.state.weights_synced()
+        self._synced()
 
     # -- sleep -------------------------------------------------------------------------
-    def sleep(self, level: int = 1) -> None:
-        self._check_open()
-        with self.state.rollback_on_error():
-            self.state.sleep(level)
-            self.llm.sleep(level=level)
+    def _release(self, level: int) -> None:
+        self.llm.sleep(level=level)
 
-    def wake_up(self, tags: Sequence[str] | None = None) -> None:
-        self._check_open()
-        with self.state.rollback_on_error():
-            self.state.wake_up(tags)
-            if self.supports_sleep:
-                self.llm.wake_up(tags=None if tags is None else list(tags))
+    def _resume(self, tags: Sequence[str] | None, asleep: Sequence[str], level: int | None) -> None:
+        if self.supports_sleep:
+            self.llm.wake_up(tags=None if tags is None else list(tags))
 
-    def shutdown(self) -> None:
+    def _close(self) -> None:
         """Stop the engine and free its memory. vLLM's teardown destroys its distributed
         state, the default process group included: shut it down after training
         (``strategy.close()`` does, before destroying the group itself)."""
-        if self._closed:
-            return
-        self._closed = True
         llm, self.llm = self.llm, None
         client: Any = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
         if callable(getattr(client, "shutdown", None)):
             client.shutdown()  # now, not from a finalizer at exit after the group is gone
         del llm
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise EngineError("the engine was shut down")
 
 
 def _token_ids_or_none(

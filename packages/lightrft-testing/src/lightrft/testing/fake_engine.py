@@ -42,12 +42,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from lightrft.engines.capabilities import KeepsSleepState, PromptLimits, WeightShapes
+from lightrft.engines.base import EngineBase
+from lightrft.engines.capabilities import PromptLimits, WeightShapes
 from lightrft.engines.protocol import (
     EngineError,
     GenerationOutput,
     Prompt,
-    SleepState,
     WeightMismatchError,
     as_sampling_params,
     check_weight_shapes,
@@ -88,7 +88,7 @@ def weights_digest(weights: Mapping[str, WeightRecord]) -> str:
     return digest.hexdigest()
 
 
-class FakeEngine(PromptLimits, WeightShapes, KeepsSleepState):
+class FakeEngine(EngineBase, PromptLimits, WeightShapes):
     """An in-process engine: generations a deterministic function of the prompt, the
     sampling parameters and the weights received (the module's output rule), sleep/wake
     levels enforced, weight syncs recorded.
@@ -120,6 +120,7 @@ class FakeEngine(PromptLimits, WeightShapes, KeepsSleepState):
     ) -> None:
         if vocab_size < 2:
             raise ValueError(f"FakeEngine vocab_size={vocab_size} must be >= 2")
+        super().__init__(supports_sleep)
         self.vocab_size: int = vocab_size
         #: No length limit (prompts are checked against the vocabulary only).
         self.max_model_len: int | None = None
@@ -129,9 +130,7 @@ class FakeEngine(PromptLimits, WeightShapes, KeepsSleepState):
         if policy is not None and expected_weights is None:
             expected_weights = self._policy_params
         self.expected_weights = set(expected_weights) if expected_weights is not None else None
-        self.supports_sleep = supports_sleep
         self.generate_on_every_rank = generate_on_every_rank
-        self.state = SleepState(supports_sleep)
         #: The weights held: name -> record of the latest tensor a completed sync sent
         #: under that name. Emptied by a level-2 sleep.
         self.weights: dict[str, WeightRecord] = {}
@@ -147,7 +146,6 @@ class FakeEngine(PromptLimits, WeightShapes, KeepsSleepState):
         self.generate_calls = 0
         #: The prompts of the last :meth:`generate` call, as received (media included).
         self.last_prompts: list[Prompt] = []
-        self.closed = False
         self._pending: dict[str, WeightRecord] = {}
         self._pending_tensors: dict[str, torch.Tensor] = {}
         if weight_stream:  # an optional protocol member: present only when offered
@@ -221,15 +219,9 @@ class FakeEngine(PromptLimits, WeightShapes, KeepsSleepState):
         return [int(self.weights_digest[8 * i : 8 * i + 8], 16) for i in range(8)]
 
     # -- sleep / wake ------------------------------------------------------------------------
-    def sleep(self, level: int = 1) -> None:
-        self._check_open()
-        self.state.sleep(level)
+    def _release(self, level: int) -> None:
         if level == 2:  # the weights are discarded: generations wait for a new sync
             self._set_weights({})
-
-    def wake_up(self, tags: Sequence[str] | None = None) -> None:
-        self._check_open()
-        self.state.wake_up(tags)
 
     # -- weights -------------------------------------------------------------------------------
     def weight_shapes(self) -> dict[str, tuple[int, ...]] | None:
@@ -310,11 +302,3 @@ class FakeEngine(PromptLimits, WeightShapes, KeepsSleepState):
         self.weights = weights
         self.weights_digest = weights_digest(weights)
         self.weights_version = self._weight_words()[0]
-
-    # -- lifecycle -------------------------------------------------------------------------------
-    def shutdown(self) -> None:
-        self.closed = True
-
-    def _check_open(self) -> None:
-        if self.closed:
-            raise EngineError("the engine was shut down")
