@@ -90,7 +90,7 @@ def strategy(session: nox.Session, backend: str) -> None:
         # every test marked deepspeed (here and in the conformance suite), then the
         # checks whose outcome depends on the extra being installed
         session.run(*pytest, "-m", "deepspeed and not gpu", *session.posargs)
-        session.run(*pytest, "tests/test_deepspeed_config.py", "tests/test_strategy_unit.py")
+        session.run(*pytest, "tests/test_deepspeed_config.py", "tests/test_registry.py")
     else:
         session.run(*pytest, "-m", "not gpu and not deepspeed", *session.posargs)
 

@@ -4,9 +4,25 @@ environment variable changed or a thread running fails, and the next test starts
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
+
+from lightrft.strategy import StrategyBase
 
 
 @pytest.fixture(autouse=True)
 def _police(no_leaks: None) -> None:
     """Fail the test that leaks (see :mod:`lightrft.testing.leaks`)."""
+
+
+@pytest.fixture
+def fsdp2() -> Iterator[StrategyBase]:
+    """A ready FSDP2 strategy in this process (a world of one), closed afterwards."""
+    from lightrft.strategy import get_strategy
+
+    from . import workers
+
+    strategy = get_strategy(workers.config())  # ready when built
+    yield strategy
+    strategy.close()

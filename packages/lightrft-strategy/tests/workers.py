@@ -591,3 +591,12 @@ def frozen_regressor() -> nn.Module:
     model = TinyRegressor()
     model.layers[0].requires_grad_(False)
     return model
+
+
+def grads_step(strategy: Any, model: nn.Module, optim: torch.optim.Optimizer, scale: float) -> bool:
+    """One backward of a fixed batch's squared output (times ``scale``) and an optimizer
+    step through ``strategy``; whether the optimizer stepped."""
+    x = torch.ones(2, DIM)
+    loss = model(x).pow(2).mean() * scale
+    strategy.backward(loss, model, optim)
+    return bool(strategy.optimizer_step(optim, model, None))

@@ -19,15 +19,17 @@ from dataclasses import dataclass
 __all__ = ["ALLOWED_ENV", "ALLOWED_THREADS", "Snapshot", "clean_up", "find", "snapshot"]
 
 #: Variables libraries set in the process on first use, which no test can avoid:
-#: torch's CPU allocator, DeepSpeed's accelerator choice, transformers' and tokenizers'
-#: settings, Triton's cache.
+#: OpenMP's, DeepSpeed's accelerator choice and CUDA check, tokenizers' setting, the
+#: Triton and TorchInductor caches (torch's extension builder), pytest's own.
 ALLOWED_ENV = frozenset(
     {
         "KMP_DUPLICATE_LIB_OK",
         "KMP_INIT_AT_FORK",
         "DS_ACCELERATOR",
+        "PYTORCH_NVML_BASED_CUDA_CHECK",
         "TOKENIZERS_PARALLELISM",
         "TRITON_CACHE_DIR",
+        "TORCHINDUCTOR_CACHE_DIR",
         "PYTEST_CURRENT_TEST",
     }
 )

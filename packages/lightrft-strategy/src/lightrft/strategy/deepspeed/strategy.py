@@ -121,6 +121,9 @@ class DeepspeedStrategy(StrategyBase):
     #: zero_stage, bf16, args)`` as upstream.
     upstream_parameters = (*BASE_PARAMETERS[:-1], "zero_stage", "bf16", "args")
 
+    #: Whether setup put LOCAL_RANK in the environment (close takes it back).
+    _set_local_rank: bool = False
+
     def __init__(self, *positional: Any, **overrides: Any) -> None:
         super().__init__(*positional, **overrides)
         self._engines: weakref.WeakSet[DeepSpeedEngine] = weakref.WeakSet()
@@ -156,7 +159,9 @@ class DeepspeedStrategy(StrategyBase):
 
     def _after_setup(self) -> None:
         # deepspeed.initialize insists on LOCAL_RANK, which no launcher sets for a plain
-        # single process (a world of one): give it the local rank setup found.
+        # single process (a world of one): give it the local rank setup found, and take
+        # it back at close.
+        self._set_local_rank = "LOCAL_RANK" not in os.environ
         os.environ.setdefault("LOCAL_RANK", str(self.launch.local_rank))
         # DeepSpeed's communication layer wraps the process group made by the base class.
         deepspeed.init_distributed(dist_backend=dist.get_backend(), dist_init_required=False)
@@ -658,3 +663,6 @@ class DeepspeedStrategy(StrategyBase):
         self._hf_ds_config = None
         gc.collect()
         super().close()
+        if self._set_local_rank:
+            os.environ.pop("LOCAL_RANK", None)
+            self._set_local_rank = False

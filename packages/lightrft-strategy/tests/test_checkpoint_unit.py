@@ -1,0 +1,118 @@
+"""save_ckpt / load_ckpt in one process: a mismatched model named, the optimizer and
+client state held, a fresh optimizer before the first step, module-only loads, loaders
+created after a load, rotation around `latest`, foreign directories refused."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from lightrft.strategy import StrategyBase
+
+from . import workers
+
+
+def test_loading_a_checkpoint_into_another_model_names_the_mismatch(
+    fsdp2: StrategyBase, tmp_path: Path
+) -> None:
+    from lightrft.strategy import CheckpointError
+
+    small = fsdp2.prepare_model(workers.TinyRegressor(blocks=2), is_training=True)
+    fsdp2.save_ckpt(small, tmp_path, tag="small", optimizer=fsdp2.create_optimizer(small))
+    bigger = fsdp2.prepare_model(workers.TinyRegressor(blocks=3), is_training=True)
+    with pytest.raises(CheckpointError, match=r"does not fit this model.*layers\.2"):
+        fsdp2.load_ckpt(bigger, tmp_path, load_optimizer_states=False)
+
+
+def test_checkpoint_holds_optimizer_from_create_optimizer_and_client_state(
+    fsdp2: StrategyBase, tmp_path: Path
+) -> None:
+    model = fsdp2.prepare_model(workers.TinyRegressor(), is_training=True)
+    optim = fsdp2.create_optimizer(model)
+    sched = fsdp2.create_scheduler(optim, 10)
+    assert fsdp2.optimizer_of(model) == (optim, sched)
+    for _ in range(4):
+        workers.grads_step(fsdp2, model, optim, 1.0)
+    fsdp2.save_ckpt(model, tmp_path, client_state={"episode": 7, "t": torch.arange(3)})
+    meta = json.loads((tmp_path / "global_step1" / "lightrft_checkpoint.json").read_text())
+    assert meta["has_optimizer"] and meta["has_scheduler"]
+    _, client = fsdp2.load_ckpt(model, tmp_path)
+    assert client["episode"] == 7 and client["t"].tolist() == [0, 1, 2]
+
+
+def test_saving_before_the_first_step_leaves_the_optimizer_fresh(
+    fsdp2: StrategyBase, tmp_path: Path
+) -> None:
+    model = fsdp2.prepare_model(workers.TinyRegressor(), is_training=True)
+    optim = fsdp2.create_optimizer(model)
+    fsdp2.save_ckpt(model, tmp_path, tag="init")
+    assert not optim.state  # torch's state-dict helper would have stepped it
+    fsdp2.load_ckpt(model, tmp_path)
+    assert not optim.state
+
+
+def test_load_module_only_restores_weights_and_nothing_else(
+    fsdp2: StrategyBase, tmp_path: Path
+) -> None:
+    model = fsdp2.prepare_model(workers.TinyRegressor(), is_training=True)
+    optim = fsdp2.create_optimizer(model)
+    loader = fsdp2.setup_dataloader(workers.RegressionTask(), batch_size=2)
+    batches = iter(loader)
+    for _ in range(4):
+        next(batches)
+        workers.grads_step(fsdp2, model, optim, 1.0)
+    fsdp2.save_ckpt(model, tmp_path)
+    saved = fsdp2.full_state_dict(model)
+
+    fresh = fsdp2.prepare_model(workers.TinyRegressor(), is_training=True)
+    fresh_optim = fsdp2.create_optimizer(fresh)
+    fresh_loader = fsdp2.setup_dataloader(workers.RegressionTask(), batch_size=2)
+    fsdp2.load_ckpt(fresh, tmp_path, load_module_only=True)
+    workers.assert_states_close(fsdp2.full_state_dict(fresh), saved, rtol=0, atol=0)
+    assert fresh_loader.state_dict()["consumed_samples"] == 0
+    assert fsdp2.step_state(fresh).global_steps == 0
+    assert not fresh_optim.state
+
+
+def test_a_loader_created_after_loading_resumes_too(fsdp2: StrategyBase, tmp_path: Path) -> None:
+    model = fsdp2.prepare_model(workers.TinyRegressor(), is_training=True)
+    fsdp2.create_optimizer(model)
+    loader = fsdp2.setup_dataloader(workers.RegressionTask(), batch_size=2)
+    batches = iter(loader)
+    for _ in range(3):
+        next(batches)
+    fsdp2.save_ckpt(model, tmp_path, tag="t")
+    del loader, batches
+    fsdp2.load_ckpt(model, tmp_path)
+    late = fsdp2.setup_dataloader(workers.RegressionTask(), batch_size=2)
+    assert late.state_dict()["consumed_samples"] == 6
+
+
+def test_rotation_never_deletes_the_checkpoint_latest_names(
+    fsdp2: StrategyBase, tmp_path: Path
+) -> None:
+    model = fsdp2.prepare_model(workers.TinyRegressor(), is_training=True)
+    fsdp2.create_optimizer(model)
+    fsdp2.save_ckpt(model, tmp_path, tag="step1")
+    fsdp2.save_ckpt(model, tmp_path, tag="best", save_latest=False, max_num=1)
+    assert (tmp_path / "latest").read_text().strip() == "step1"
+    assert fsdp2.load_ckpt(model, tmp_path)[0].endswith("step1")
+
+
+def test_save_refuses_to_replace_a_foreign_directory_and_bad_max_num(
+    fsdp2: StrategyBase, tmp_path: Path
+) -> None:
+    from lightrft.strategy import CheckpointError
+
+    model = fsdp2.prepare_model(workers.TinyRegressor(), is_training=True)
+    (tmp_path / "final").mkdir()
+    (tmp_path / "final" / "model.safetensors").write_bytes(b"an export")
+    with pytest.raises(CheckpointError, match="is not a LightRFT checkpoint"):
+        fsdp2.save_ckpt(model, tmp_path, tag="final")
+    assert (tmp_path / "final" / "model.safetensors").read_bytes() == b"an export"
+    with pytest.raises(ValueError, match="max_num=0 must be >= 1"):
+        fsdp2.save_ckpt(model, tmp_path, max_num=0)
+    assert not (tmp_path / "global_step0").exists()
