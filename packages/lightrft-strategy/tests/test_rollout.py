@@ -4,6 +4,7 @@ FakeEngine (which records every tensor it receives and enforces the sleep levels
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -19,12 +20,25 @@ from lightrft.testing.launcher import run_distributed
 from . import workers
 
 
-def _single(**fields: object) -> FSDP2Strategy:
-    return FSDP2Strategy(device="cpu", **fields)
+@pytest.fixture
+def single() -> Iterator[Callable[..., FSDP2Strategy]]:
+    """Build FSDP2 strategies in this process (a world of one); each is closed after the
+    test (with its engine and process group)."""
+    made: list[FSDP2Strategy] = []
+
+    def make(**fields: object) -> FSDP2Strategy:
+        made.append(FSDP2Strategy(device="cpu", **fields))
+        return made[-1]
+
+    yield make
+    for strategy in reversed(made):
+        strategy.close()
 
 
-def test_weight_sync_sends_every_parameter_in_buckets_with_mapped_names() -> None:
-    strategy = _single()
+def test_weight_sync_sends_every_parameter_in_buckets_with_mapped_names(
+    single: Callable[..., FSDP2Strategy],
+) -> None:
+    strategy = single()
     model = workers.TinyRegressor()
     engine = strategy.setup_inference_engine(FakeEngine())
     counts = strategy.update_engine_weights(
@@ -48,10 +62,12 @@ def test_weight_sync_sends_every_parameter_in_buckets_with_mapped_names() -> Non
     assert {r.dtype for r in engine.syncs[-1].values()} == {torch.bfloat16}
 
 
-def test_an_engine_that_pulls_gets_the_whole_sync_in_one_call_tensor_by_tensor() -> None:
+def test_an_engine_that_pulls_gets_the_whole_sync_in_one_call_tensor_by_tensor(
+    single: Callable[..., FSDP2Strategy],
+) -> None:
     """An engine with ``update_weights_stream`` (vLLM) gets one call per sync and pulls
     each tensor, which is gathered only then: no bucket is ever held."""
-    strategy = _single()
+    strategy = single()
     model = workers.TinyRegressor()
     engine = strategy.setup_inference_engine(FakeEngine(weight_stream=True))
     events: list[str] = []
@@ -89,8 +105,10 @@ def test_an_engine_that_pulls_gets_the_whole_sync_in_one_call_tensor_by_tensor()
     assert {r.dtype for r in engine.syncs[-1].values()} == {torch.bfloat16}
 
 
-def test_two_parameters_mapped_to_one_engine_name_are_refused_before_any_gather() -> None:
-    strategy = _single()
+def test_two_parameters_mapped_to_one_engine_name_are_refused_before_any_gather(
+    single: Callable[..., FSDP2Strategy],
+) -> None:
+    strategy = single()
     model = workers.TinyRegressor()
     engine = strategy.setup_inference_engine(FakeEngine(weight_stream=True))
     with pytest.raises(
@@ -102,8 +120,10 @@ def test_two_parameters_mapped_to_one_engine_name_are_refused_before_any_gather(
     assert engine.syncs == [] and not engine.state.weights_stale
 
 
-def test_an_engine_that_stops_pulling_early_is_an_error_and_every_gather_still_runs() -> None:
-    strategy = _single()
+def test_an_engine_that_stops_pulling_early_is_an_error_and_every_gather_still_runs(
+    single: Callable[..., FSDP2Strategy],
+) -> None:
+    strategy = single()
     model = workers.TinyRegressor()
     engine = FakeEngine()
     read: list[str] = []
@@ -135,10 +155,10 @@ def test_an_engine_that_stops_pulling_early_is_an_error_and_every_gather_still_r
     assert len(read) == 2 and gathered == [n for n, _ in model.named_parameters()]
 
 
-def test_generations_follow_the_synced_weights() -> None:
+def test_generations_follow_the_synced_weights(single: Callable[..., FSDP2Strategy]) -> None:
     """FakeEngine's generations are a function of the weights it holds: a sync of the
     same weights leaves them as they were, a changed weight changes them."""
-    strategy = _single()
+    strategy = single()
     model = workers.TinyRegressor()
     strategy.setup_inference_engine(FakeEngine())
     sampling = SamplingParams(max_new_tokens=8, n=2, seed=1)
@@ -153,7 +173,7 @@ def test_generations_follow_the_synced_weights() -> None:
     assert {o.weight_version for o in again} == {2} and {o.weight_version for o in synced} == {1}
     copy = workers.TinyRegressor()
     copy.load_state_dict(model.state_dict())
-    other = _single()
+    other = single()
     other.setup_inference_engine(FakeEngine())
     other.update_engine_weights(copy)  # another engine, the same weights: the same outputs
     assert other.gather_and_generate(prompts, sampling) == synced
@@ -173,8 +193,10 @@ def test_generations_follow_the_synced_weights() -> None:
     assert [o.output_token_ids for o in restored] == [o.output_token_ids for o in synced]
 
 
-def test_a_mismatched_weight_name_is_an_error_naming_it() -> None:
-    strategy = _single()
+def test_a_mismatched_weight_name_is_an_error_naming_it(
+    single: Callable[..., FSDP2Strategy],
+) -> None:
+    strategy = single()
     model = workers.TinyRegressor()
     engine = FakeEngine(expected_weights=[n for n, _ in model.named_parameters()])
     strategy.setup_inference_engine(engine)
@@ -185,8 +207,10 @@ def test_a_mismatched_weight_name_is_an_error_naming_it() -> None:
     assert engine.syncs == []  # nothing half-applied
 
 
-def test_sleep_levels_follow_config_and_stale_weights_are_refused() -> None:
-    strategy = _single(enable_engine_sleep=True, engine_sleep_level=2)
+def test_sleep_levels_follow_config_and_stale_weights_are_refused(
+    single: Callable[..., FSDP2Strategy],
+) -> None:
+    strategy = single(enable_engine_sleep=True, engine_sleep_level=2)
     model = workers.TinyRegressor()
     engine = strategy.setup_inference_engine(FakeEngine())
     assert strategy.maybe_sleep_inference_engine() is True
@@ -213,8 +237,10 @@ def test_sleep_levels_follow_config_and_stale_weights_are_refused() -> None:
     assert woken[-1] is None and not engine.state.asleep and len(engine.syncs) == 1
 
 
-def test_an_interrupted_call_leaves_the_engine_asleep_not_half_awake() -> None:
-    strategy = _single(enable_engine_sleep=True, engine_sleep_level=1)
+def test_an_interrupted_call_leaves_the_engine_asleep_not_half_awake(
+    single: Callable[..., FSDP2Strategy],
+) -> None:
+    strategy = single(enable_engine_sleep=True, engine_sleep_level=1)
     model = workers.TinyRegressor()
     names = [n for n, _ in model.named_parameters()]
     engine = strategy.setup_inference_engine(FakeEngine(vocab_size=16, expected_weights=names))
@@ -277,8 +303,10 @@ class _EngineWithoutState:
         self.inner.shutdown()
 
 
-def test_an_engine_without_sleep_state_is_woken_of_what_the_strategy_slept() -> None:
-    strategy = _single(enable_engine_sleep=True, engine_sleep_level=1)
+def test_an_engine_without_sleep_state_is_woken_of_what_the_strategy_slept(
+    single: Callable[..., FSDP2Strategy],
+) -> None:
+    strategy = single(enable_engine_sleep=True, engine_sleep_level=1)
     model = workers.TinyRegressor()
     engine = _EngineWithoutState()
     strategy.setup_inference_engine(engine)
@@ -300,8 +328,10 @@ def test_an_engine_without_sleep_state_is_woken_of_what_the_strategy_slept() -> 
     assert not engine.asleep and len(strategy.gather_and_generate([[3]])) == 1
 
 
-def test_an_explicit_wake_up_wakes_exactly_the_tags_named() -> None:
-    strategy = _single(enable_engine_sleep=True, engine_sleep_level=2)
+def test_an_explicit_wake_up_wakes_exactly_the_tags_named(
+    single: Callable[..., FSDP2Strategy],
+) -> None:
+    strategy = single(enable_engine_sleep=True, engine_sleep_level=2)
     engine = strategy.setup_inference_engine(FakeEngine())
     strategy.maybe_sleep_inference_engine()
     with pytest.raises(EngineError, match=r"wake_up tags \['kvcache'\] are invalid"):
@@ -311,16 +341,18 @@ def test_an_explicit_wake_up_wakes_exactly_the_tags_named() -> None:
     assert engine.state.weights_awake and not engine.state.kv_awake
 
 
-def test_sleep_calls_do_nothing_when_sleep_is_disabled() -> None:
-    strategy = _single()
+def test_sleep_calls_do_nothing_when_sleep_is_disabled(
+    single: Callable[..., FSDP2Strategy],
+) -> None:
+    strategy = single()
     engine = strategy.setup_inference_engine(FakeEngine())
     assert strategy.maybe_sleep_inference_engine() is False
     strategy.wakeup_inference_engine()
     assert engine.state.asleep is False
 
 
-def test_engine_calls_need_an_engine() -> None:
-    strategy = _single()
+def test_engine_calls_need_an_engine(single: Callable[..., FSDP2Strategy]) -> None:
+    strategy = single()
     with pytest.raises(RuntimeError, match=r"setup_inference_engine\(\.\.\.\) first"):
         strategy.gather_and_generate([[1]])
     with pytest.raises(TypeError, match=r"object is not an inference engine: it lacks generate"):
@@ -424,10 +456,12 @@ def test_real_hf_engine_generates_from_the_trained_weights_on_two_ranks(
         assert "the engine's weights are not the trainer's" in r["errors"]["stale"]
 
 
-def test_upstream_setup_builds_the_engine_from_args_syncs_the_actor_and_sleeps() -> None:
+def test_upstream_setup_builds_the_engine_from_args_syncs_the_actor_and_sleeps(
+    single: Callable[..., FSDP2Strategy],
+) -> None:
     import argparse
 
-    strategy = _single(enable_engine_sleep=True)
+    strategy = single(enable_engine_sleep=True)
     model = workers.TinyRegressor()
     names = [n for n, _ in model.named_parameters()]
     args = argparse.Namespace(engine_type="fake", engine_tp_size=1, enable_engine_sleep=True)
@@ -447,8 +481,10 @@ def test_upstream_setup_builds_the_engine_from_args_syncs_the_actor_and_sleeps()
     assert outs[0].weight_version == 1
 
 
-def test_engine_generate_local_and_bad_prompts_name_rank_index_and_limit() -> None:
-    strategy = _single()
+def test_engine_generate_local_and_bad_prompts_name_rank_index_and_limit(
+    single: Callable[..., FSDP2Strategy],
+) -> None:
+    strategy = single()
     strategy.setup_inference_engine(FakeEngine(vocab_size=16))
     local = strategy.engine_generate_local(
         SamplingParams(max_new_tokens=2), prompt_token_ids=[[1], [2, 3]]
@@ -463,8 +499,10 @@ def test_engine_generate_local_and_bad_prompts_name_rank_index_and_limit() -> No
         strategy.gather_and_generate([[]])
 
 
-def test_verification_needs_logprobs_and_names_the_engine() -> None:
-    strategy = _single()
+def test_verification_needs_logprobs_and_names_the_engine(
+    single: Callable[..., FSDP2Strategy],
+) -> None:
+    strategy = single()
     strategy.setup_inference_engine(FakeEngine())
     with pytest.raises(EngineError, match="FakeEngine returned no logprobs"):
         strategy.update_engine_weights(workers.TinyRegressor(), verify=True)
@@ -493,10 +531,12 @@ def test_upstream_multimodal_inputs_nested_or_flat() -> None:
     assert build_multimodal_inputs([text], [None], [0], None, None) == [{"prompt": "Describe."}]
 
 
-def test_another_modality_goes_through_gather_and_generate_by_its_keywords() -> None:
+def test_another_modality_goes_through_gather_and_generate_by_its_keywords(
+    single: Callable[..., FSDP2Strategy],
+) -> None:
     from lightrft.engines.multimodal import Modality, register_modality, unregister_modality
 
-    strategy = _single()
+    strategy = single()
     engine = strategy.setup_inference_engine(FakeEngine())
     with pytest.raises(TypeError, match=r"unexpected keyword\(s\) \['all_audios'\]"):
         strategy.gather_and_generate(SamplingParams(), all_prompt_token_ids=[[1]],
@@ -547,8 +587,10 @@ def test_is_engine_tells_engines_from_models() -> None:
     assert not is_engine(workers.TinyRegressor()) and not is_engine(None)
 
 
-def test_gather_and_generate_without_prompts_says_how_to_call_it() -> None:
-    strategy = _single()
+def test_gather_and_generate_without_prompts_says_how_to_call_it(
+    single: Callable[..., FSDP2Strategy],
+) -> None:
+    strategy = single()
     strategy.setup_inference_engine(FakeEngine())
     with pytest.raises(TypeError, match="got no prompts"):
         strategy.gather_and_generate([1, 2, 3])  # one prompt, not a list of prompts
@@ -558,8 +600,9 @@ def test_gather_and_generate_without_prompts_says_how_to_call_it() -> None:
 
 def test_an_engine_that_cannot_sleep_is_skipped_with_one_log_line(
     caplog: pytest.LogCaptureFixture,
+    single: Callable[..., FSDP2Strategy],
 ) -> None:
-    strategy = _single(enable_engine_sleep=True)
+    strategy = single(enable_engine_sleep=True)
     engine = strategy.setup_inference_engine(FakeEngine(supports_sleep=False))
     with caplog.at_level("WARNING", logger="lightrft.strategy.rollout"):
         assert strategy.maybe_sleep_inference_engine() is False

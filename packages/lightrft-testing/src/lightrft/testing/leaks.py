@@ -34,8 +34,8 @@ ALLOWED_ENV = frozenset(
     }
 )
 #: Threads libraries keep for the process's life (name prefixes): tqdm's monitor, the
-#: stdlib's queue feeder and multiprocessing's result handlers.
-ALLOWED_THREADS = ("TMonitor", "QueueFeederThread", "process_api", "pydevd")
+#: stdlib's queue feeder, a debugger's.
+ALLOWED_THREADS = ("tqdm_monitor", "TMonitor", "QueueFeederThread", "pydevd")
 _THREAD_GRACE_S = 2.0
 
 
