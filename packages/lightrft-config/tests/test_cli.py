@@ -224,7 +224,7 @@ def test_validate_names_the_field_of_a_cross_field_problem() -> None:
     assert result.exit_code == 1
     assert result.stderr.splitlines()[1:] == [
         "  1. train_batch_size = 10 (from command line --train_batch_size)",
-        "     problem: train_batch_size=10 is not a multiple of micro_train_batch_size=3",
+        "     problem: is not a multiple of micro_train_batch_size=3",
         "     fix: set train_batch_size to 9 or 12, or change micro_train_batch_size",
     ]
 

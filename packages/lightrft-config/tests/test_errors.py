@@ -198,3 +198,22 @@ def test_bad_value_from_each_layer_names_its_layer(tmp_path: Path) -> None:
         with pytest.raises(ConfigError) as info:
             StrategyConfig.load(**{"environ": {}, **kwargs})
         assert fragment in str(info.value), str(info.value)
+
+
+def test_a_rule_joining_fields_keeps_its_field_value_source_and_fix() -> None:
+    """Cross-field problems travel as ConfigProblem objects from the validator to the
+    error (and to `lightrft config validate`), not as text parsed back."""
+    with pytest.raises(ConfigError) as info:
+        StrategyConfig.load(environ={"LIGHTRFT_TRAIN_BATCH_SIZE": "10"},
+                            args={"micro_train_batch_size": 3})  # fmt: skip
+    (problem,) = info.value.problems
+    assert problem.field == "train_batch_size"
+    assert problem.value == 10
+    assert problem.source == "environment variable LIGHTRFT_TRAIN_BATCH_SIZE"
+    assert problem.message == "is not a multiple of micro_train_batch_size=3"
+    assert problem.fix == "set train_batch_size to 9 or 12, or change micro_train_batch_size"
+    assert str(problem) == (
+        "train_batch_size=10 (from environment variable LIGHTRFT_TRAIN_BATCH_SIZE) is not a "
+        "multiple of micro_train_batch_size=3; set train_batch_size to 9 or 12, or change "
+        "micro_train_batch_size"
+    )

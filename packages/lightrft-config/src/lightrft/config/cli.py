@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NoReturn, TypeVar
@@ -161,36 +160,23 @@ def parse_flags(flags: Sequence[str]) -> dict[str, Any]:
 def explain(
     problem: ConfigProblem, values: Mapping[str, Any], origin: Mapping[str, str]
 ) -> Problem:
-    """A :class:`Problem` naming the field, its value and source, and the fix.
-
-    A problem of one field says what the field accepts; one spanning several fields
-    (``"train_batch_size=10 is not a multiple of ...; set train_batch_size to 8 or 12"``)
-    names its first field and carries its fix after the last ``"; "``.
-    """
+    """A :class:`Problem` naming the field, its value and source, and the fix, read
+    from the structured :class:`ConfigProblem` (a rule joining several fields names the
+    field to change first and carries its own fix)."""
     fields = StrategyConfig.model_fields
-    if problem.field is not None:
-        if problem.accepted:
-            fix = f"set {problem.field} to {problem.accepted}"
-        else:
-            fix = f"see `lightrft config schema` for what {problem.field} accepts"
-        source = problem.source or origin.get(problem.field)
-        if source is None and problem.field in fields:
-            source = DEFAULT
-        return Problem(problem.field, problem.value, source, problem.message, fix)
-    text = problem.message
-    if "; accepted: " in text:
-        message, accepted = text.split("; accepted: ", 1)
-        fix = f"use {accepted}"
-    elif "; " in text:
-        message, fix = text.rsplit("; ", 1)
+    if problem.field is None:
+        return Problem(None, None, None, problem.message, problem.fix or "")
+    if problem.fix is not None:
+        fix = problem.fix
+    elif problem.accepted:
+        fix = f"set {problem.field} to {problem.accepted}"
     else:
-        message, fix = text, ""
-    match = re.match(r"([a-z_][a-z0-9_]*)=", text)
-    if match is None or match.group(1) not in fields:
-        return Problem(None, None, None, message, fix)
-    name = match.group(1)
-    value = values.get(name, fields[name].get_default(call_default_factory=True))
-    return Problem(name, value, origin.get(name, DEFAULT), message, fix)
+        fix = f"see `lightrft config schema` for what {problem.field} accepts"
+    source = problem.source or origin.get(problem.field)
+    if source is None and problem.field in fields:
+        source = DEFAULT
+    value = values.get(problem.field, problem.value) if problem.fix is not None else problem.value
+    return Problem(problem.field, value, source, problem.message, fix)
 
 
 def resolve(

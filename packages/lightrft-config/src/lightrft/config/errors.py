@@ -21,12 +21,16 @@ class ConfigProblem:
     """One thing wrong with a configuration.
 
     Attributes:
-        field: the field's name, or ``None`` for a problem that spans several fields.
+        field: the field's name (for a rule joining several fields, the one to change
+            first), or ``None`` when no field is at fault (an unreadable file).
         value: the offending value as it was given.
         message: what is wrong.
         accepted: what the field accepts, when that can be said in a few words.
         source: where the value came from (``"environment variable LIGHTRFT_SEED"``,
             ``"file cfg.yaml"``, ``"command line --seed"``), when known.
+        fix: what to do, for a rule joining several fields (``"set train_batch_size
+            to 8 or 12, or change micro_train_batch_size"``); the message then reads on
+            from the field (``"is not a multiple of micro_train_batch_size=4"``).
     """
 
     field: str | None
@@ -34,11 +38,14 @@ class ConfigProblem:
     message: str
     accepted: str | None = None
     source: str | None = None
+    fix: str | None = None
 
     def __str__(self) -> str:
         if self.field is None:
             return self.message
         where = f" (from {self.source})" if self.source else ""
+        if self.fix is not None:  # a rule joining fields: "a=1 contradicts b=2; fix"
+            return f"{self.field}={self.value!r}{where} {self.message}; {self.fix}"
         text = f"{self.field}={self.value!r}{where}: {self.message}"
         if self.accepted:
             text += f"; accepted: {self.accepted}"
@@ -135,7 +142,12 @@ def from_validation_error(
         name = str(loc[0]) if loc else None
         if name is None or err["type"].startswith("lightrft_"):
             items = (err.get("ctx") or {}).get("items") or [err["msg"]]
-            problems.extend(ConfigProblem(None, None, str(item)) for item in items)
+            for item in items:  # structured from the validator on; a bare text has no field
+                if not isinstance(item, ConfigProblem):
+                    item = ConfigProblem(None, None, str(item))
+                elif item.field is not None and item.source is None and item.field in sources:
+                    item = replace(item, source=sources[item.field])
+                problems.append(item)
             continue
         if name in seen:  # one problem per field: unions report each branch
             continue

@@ -129,10 +129,18 @@ def _json_or_path(value: Any) -> Any:
 JsonOrPath = Annotated[dict[str, Any] | str, BeforeValidator(_json_or_path)]
 
 
-def _cross_field(messages: list[str]) -> PydanticCustomError:
-    # One pydantic error carrying every message; errors.py lists them one by one.
+def _joined(field: str, value: Any, message: str, fix: str) -> ConfigProblem:
+    """A problem of a rule joining fields, named by the field to change first."""
+    return ConfigProblem(field, value, message, fix=fix)
+
+
+def _cross_field(problems: list[ConfigProblem]) -> PydanticCustomError:
+    # One pydantic error carrying every problem, structured: errors.py lists them one by
+    # one with their fields, and the command reports each field, value, source and fix.
     return PydanticCustomError(
-        "lightrft_cross_field", "{joined}", {"joined": "; ".join(messages), "items": messages}
+        "lightrft_cross_field",
+        "{joined}",
+        {"joined": "; ".join(map(str, problems)), "items": problems},
     )
 
 
@@ -424,30 +432,46 @@ class StrategyConfig(BaseModel):
 
     @model_validator(mode="after")
     def _check_cross_field(self) -> StrategyConfig:
-        problems: list[str] = []
+        problems: list[ConfigProblem] = []
         micro, total = self.micro_train_batch_size, self.train_batch_size
         if total % micro:
             lower, upper = total - total % micro, total - total % micro + micro
             nearest = f"{lower} or {upper}" if lower else str(upper)
             problems.append(
-                f"train_batch_size={total} is not a multiple of micro_train_batch_size={micro}; "
-                f"set train_batch_size to {nearest}, or change micro_train_batch_size"
+                _joined(
+                    "train_batch_size",
+                    total,
+                    f"is not a multiple of micro_train_batch_size={micro}",
+                    f"set train_batch_size to {nearest}, or change micro_train_batch_size",
+                )
             )
         if self.backend == "deepspeed" and self.fsdp:
             problems.append(
-                "backend='deepspeed' contradicts fsdp=True; drop one of them "
-                "(backend takes a name, fsdp is the upstream switch)"
+                _joined(
+                    "backend",
+                    "deepspeed",
+                    "contradicts fsdp=True",
+                    "drop one of them (backend takes a name, fsdp is the upstream switch)",
+                )
             )
         if self.precision is not None and self.bf16 != (self.precision == "bf16"):
             problems.append(  # reachable by assignment only
-                f"precision={self.precision!r} contradicts bf16={self.bf16}; set one of them"
+                _joined(
+                    "precision", self.precision, f"contradicts bf16={self.bf16}", "set one of them"
+                )
             )
         if self.backend == "fsdp2" and not self.fsdp:  # reachable by assignment only
-            problems.append("backend='fsdp2' contradicts fsdp=False; set fsdp=True as well")
+            problems.append(
+                _joined("backend", "fsdp2", "contradicts fsdp=False", "set fsdp=True as well")
+            )
         if self.engine_sleep_level is not None and not self.enable_engine_sleep:
             problems.append(
-                f"engine_sleep_level={self.engine_sleep_level} needs enable_engine_sleep=True; "
-                "enable sleep or leave engine_sleep_level unset"
+                _joined(
+                    "engine_sleep_level",
+                    self.engine_sleep_level,
+                    "needs enable_engine_sleep=True",
+                    "enable sleep or leave engine_sleep_level unset",
+                )
             )
         if self.resolved_backend == "deepspeed":
             problems.extend(self._deepspeed_problems())
@@ -455,7 +479,7 @@ class StrategyConfig(BaseModel):
             raise _cross_field(problems)
         return self
 
-    def _deepspeed_problems(self) -> list[str]:
+    def _deepspeed_problems(self) -> list[ConfigProblem]:
         # deepspeed_rules, with what is known without a world size; ds_config applies the
         # same rules at setup (then with the world size, and a file overlay read)
         problems = [adam_offload_problem(self.adam_offload, self.zero_stage)]
@@ -469,7 +493,7 @@ class StrategyConfig(BaseModel):
                 "(DeepSpeed counts sequence-parallel ranks too); change those instead",
             )
             problems.extend(overlay_problems(overlay, derived))
-        return [str(problem) for problem in problems if problem is not None]
+        return [problem for problem in problems if problem is not None]
 
     # -- derived values ----------------------------------------------------------------
     @property
