@@ -510,7 +510,7 @@ def test_verification_needs_logprobs_and_names_the_engine(
 
 def test_upstream_multimodal_inputs_nested_or_flat() -> None:
     from lightrft.engines.multimodal import MediaError
-    from lightrft.strategy.rollout import build_multimodal_inputs
+    from lightrft.strategy.engine_link import build_multimodal_inputs
 
     a, b, c, v = "a.png", "b.png", "c.png", "v.mp4"
     nested = build_multimodal_inputs(["p0", "p1", "p2"], [[a, b], [c], None], [2, 1, 0],
@@ -604,7 +604,7 @@ def test_an_engine_that_cannot_sleep_is_skipped_with_one_log_line(
 ) -> None:
     strategy = single(enable_engine_sleep=True)
     engine = strategy.setup_inference_engine(FakeEngine(supports_sleep=False))
-    with caplog.at_level("WARNING", logger="lightrft.strategy.rollout"):
+    with caplog.at_level("WARNING", logger="lightrft.strategy.engine_link"):
         assert strategy.maybe_sleep_inference_engine() is False
         assert strategy.maybe_sleep_inference_engine() is False
         outs = strategy.gather_and_generate(SamplingParams(max_new_tokens=1), [[1]])

@@ -82,7 +82,7 @@ def test_engine_calls_carry_on_without_an_engine_as_upstreams_fake(
 ) -> None:
     strategy = _upstream_fake()
     model = nn.Linear(4, 3)
-    with caplog.at_level(logging.WARNING, logger="lightrft.strategy.rollout"):
+    with caplog.at_level(logging.WARNING, logger="lightrft.strategy.engine_link"):
         assert strategy.update_engine_weights(model) == {}  # no engine: nothing sent
     assert "no inference engine is set up" in caplog.text
     engine = strategy.setup_inference_engine(None)  # nothing configured: a FakeEngine

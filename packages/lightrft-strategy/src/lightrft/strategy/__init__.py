@@ -23,6 +23,7 @@ if TYPE_CHECKING:  # the names below are imported on first use (see __getattr__)
         IncompleteCheckpointError,
     )
     from lightrft.strategy.construction import NotSetUpError
+    from lightrft.strategy.engine_link import is_engine
     from lightrft.strategy.registry import (
         UnknownBackendError,
         available_backends,
@@ -30,7 +31,6 @@ if TYPE_CHECKING:  # the names below are imported on first use (see __getattr__)
         get_strategy,
         register_backend,
     )
-    from lightrft.strategy.rollout import is_engine
 
 # Public name -> the module that defines it. Imported lazily, so that importing a
 # submodule that needs no torch (the ``lightrft`` command's parser) stays fast.
@@ -48,7 +48,7 @@ _LAZY = {
     "get_backend": "lightrft.strategy.registry",
     "get_strategy": "lightrft.strategy.registry",
     "register_backend": "lightrft.strategy.registry",
-    "is_engine": "lightrft.strategy.rollout",
+    "is_engine": "lightrft.strategy.engine_link",
 }
 
 

@@ -5,7 +5,7 @@
 The class holds the lifecycle (distributed setup, seeding, readiness, close) and the
 training API (prepare, backward, optimizer step with accumulation and clipping, data
 loaders, checkpoints, models saved for Hugging Face); the engine calls (weight sync,
-generation, sleep/wake) are mixed in from :mod:`lightrft.strategy.rollout`. The work
+generation, sleep/wake) are mixed in from :mod:`lightrft.strategy.engine_link`. The work
 lives in modules of its own that this class calls: collectives, data, stepping,
 optim, the checkpoint manager and sequence parallelism (``sequence_parallel``,
 ``ulysses``). A backend (FSDP2, DeepSpeed) supplies how models are wrapped and how
@@ -41,8 +41,8 @@ from lightrft.strategy.construction import (
     config_from_constructor,
 )
 from lightrft.strategy.data import ResumableDataLoader, build_dataloader
+from lightrft.strategy.engine_link import InferenceEngineCalls
 from lightrft.strategy.optim import build_adamw, build_scheduler, parameter_groups
-from lightrft.strategy.rollout import InferenceEngineCalls
 from lightrft.strategy.stepping import StepState, StepStates, clip_and_check, record_skip
 
 logger = logging.getLogger("lightrft.strategy")

@@ -1,0 +1,118 @@
+"""The strategy's link to its rollout engine: setup, weight sync, generation, sleep.
+
+The strategy talks to an engine only through the protocol of
+:mod:`lightrft.engines.protocol` and the optional capabilities of
+:mod:`lightrft.engines.capabilities` (extra ``engines``). It owns what needs the
+training side: gathering full weights from sharded parameters and streaming them to
+the engine (:mod:`.weight_sync`), splitting generation across the engine's
+tensor-parallel groups (:mod:`.generation`), and waking and sleeping it around both
+(:mod:`.sleep`). :class:`InferenceEngineCalls` joins them and sets the engine up; it is
+mixed into :class:`~lightrft.strategy.StrategyBase`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch.distributed as dist
+from torch import nn
+
+from lightrft.strategy.engine_link.common import (
+    EngineHost,
+    capabilities_module,
+    is_engine,
+    protocol_module,
+)
+from lightrft.strategy.engine_link.common import _is_engine_source as _is_engine_source
+from lightrft.strategy.engine_link.generation import build_multimodal_inputs
+from lightrft.strategy.engine_link.weight_sync import DEFAULT_BUCKET_BYTES, WeightSyncCalls
+
+__all__ = [
+    "DEFAULT_BUCKET_BYTES",
+    "EngineHost",
+    "InferenceEngineCalls",
+    "build_multimodal_inputs",
+    "is_engine",
+]
+
+_REQUIRED = ("generate", "sleep", "wake_up", "update_weights", "finish_weight_update", "shutdown")
+
+
+class InferenceEngineCalls(WeightSyncCalls):
+    """Mixed into :class:`~lightrft.strategy.StrategyBase`: every engine call, and the
+    engine's setup."""
+
+    def setup_inference_engine(
+        self,
+        engine: Any = None,
+        engine_type: str | None = None,
+        actor: nn.Module | None = None,
+        **engine_options: Any,
+    ) -> Any:
+        """Set up the rollout engine. Collective. Returns the engine.
+
+        Upstream's form, ``setup_inference_engine(args, engine_type="vllm", actor=actor)``:
+        build the engine ``args`` (an argparse namespace or config; None: this strategy's
+        config) selects with :func:`lightrft.engines.build_engine` (``engine_type`` and
+        ``engine_options`` override it; upstream's default ``engine_type="vllm"``
+        ignored ``args.engine_type``, here None reads it), send ``actor``'s weights
+        when given, and put the engine to sleep when ``enable_engine_sleep`` is set, in
+        upstream's order. Our form, ``setup_inference_engine(engine)``: use a ready
+        object implementing :class:`lightrft.engines.protocol.InferenceEngine` (one
+        per rank), as handed over (synced with ``actor`` if given, not put to sleep).
+        Either way the tensor-parallel groups of ``engine_tp_size`` consecutive ranks
+        are built."""
+        self._require_setup("setup_inference_engine")
+        protocol_module()
+        built = _is_engine_source(engine)
+        if built:
+            from lightrft.engines import build_engine
+
+            source = self.config if engine is None else engine
+            tp = int(getattr(source, "engine_tp_size", None) or self._sizes().engine_tp_size)
+            self._check_tp(tp)
+            engine = build_engine(source, engine_type=engine_type, **engine_options)
+        missing = [name for name in _REQUIRED if not callable(getattr(engine, name, None))]
+        if missing:
+            raise TypeError(
+                f"{type(engine).__name__} is not an inference engine: it lacks "
+                f"{', '.join(missing)} (see lightrft.engines.protocol.InferenceEngine)"
+            )
+        offered = capabilities_module()
+        tp = self._check_tp(
+            int(engine.tp_size)
+            if isinstance(engine, offered.TensorParallel) and engine.tp_size
+            else self._sizes().engine_tp_size
+        )
+        rank = self.get_rank()
+        self._engine_group_ranks = tuple(rank - rank % tp + i for i in range(tp))
+        self._engine_group = None
+        if dist.is_initialized() and tp > 1:
+            for first in range(0, self.world_size, tp):  # every rank creates every group
+                group = dist.new_group(list(range(first, first + tp)))
+                if first == self._engine_group_ranks[0]:
+                    self._engine_group = group
+        self.inference_engine = engine
+        self._warned_no_sleep = False
+        self._slept_tags = frozenset()
+        if actor is not None:
+            self.update_engine_weights(actor)
+        if built:  # upstream's order; a ready engine is left as it was handed over
+            self.maybe_sleep_inference_engine()
+        return engine
+
+    def _check_tp(self, tp: int) -> int:
+        """The engine tensor-parallel size this process runs with; raises when ``tp``
+        does not divide the world (the fake simulates larger sizes in one process)."""
+        if tp < 1 or self.world_size % tp:
+            raise ValueError(
+                f"engine_tp_size={tp} does not divide the world size {self.world_size}; "
+                "choose a divisor of the number of ranks"
+            )
+        return tp
+
+    @property
+    def engine_mp_group(self) -> Any:
+        """The process group of this rank's engine tensor-parallel group (None for a
+        group of one), upstream's name."""
+        return self._engine_group

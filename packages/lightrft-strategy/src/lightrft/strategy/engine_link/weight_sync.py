@@ -1,0 +1,301 @@
+"""Weight sync from the training model to the rollout engine: full tensors gathered
+one at a time from sharded parameters (a backend hook) and sent in buckets, or pulled
+by an engine that streams (:class:`~lightrft.engines.WeightStreaming`); names and
+shapes checked first; the engine's output checked against the trainer's on request."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightrft.strategy.actor import training_module
+from lightrft.strategy.engine_link.common import (
+    capabilities_module,
+    limits,
+    logger,
+    protocol_module,
+    weight_version,
+)
+from lightrft.strategy.engine_link.generation import GenerationCalls
+
+#: Default size of one weight-sync bucket.
+DEFAULT_BUCKET_BYTES = 256 * 2**20
+
+
+class SyncTensors:
+    """The tensors of one weight sync, each gathered as it is pulled (a gather may be a
+    collective the other ranks take part in): counts the seconds spent pulling,
+    remembers whether a gather raised, and drains what is left."""
+
+    def __init__(self, tensors: Iterator[tuple[str, torch.Tensor]]) -> None:
+        self._tensors = tensors
+        self.pulled_s = 0.0
+        self.gather_failed = False
+
+    def __iter__(self) -> SyncTensors:
+        return self
+
+    def __next__(self) -> tuple[str, torch.Tensor]:
+        t0 = time.perf_counter()
+        try:
+            return next(self._tensors)
+        except StopIteration:
+            raise
+        except BaseException:
+            self.gather_failed = True
+            raise
+        finally:
+            self.pulled_s += time.perf_counter() - t0
+
+    def drain(self) -> int:
+        """Gather and drop what is left, so this rank still takes part in every gather
+        (none after a gather failed: it is not retried); how many there were."""
+        return 0 if self.gather_failed else sum(1 for _ in self)
+
+    @contextlib.contextmanager
+    def drained_on_error(self) -> Iterator[None]:
+        """Around an engine call within the sync: if the engine raises (an error of its
+        own, perhaps on this rank alone), the rest is drained before the error
+        propagates, so the other ranks' gathers are not left waiting."""
+        try:
+            yield
+        except Exception:
+            with contextlib.suppress(Exception):
+                self.drain()
+            raise
+
+
+class WeightSyncCalls(GenerationCalls):
+    """``update_engine_weights`` and ``verify_engine_weights``, and the backend hook
+    ``iter_full_parameters`` they gather through."""
+
+    def iter_full_parameters(self, model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+        """Backend hook: ``(name, full tensor)`` per parameter, in the same order on
+        every rank (collective for sharded parameters). Each tensor stays valid while the
+        model is not stepped (a gathered copy, or the parameter itself): a weight sync
+        sends them without copying again."""
+        for name, param in self.unwrap_model(model).named_parameters():
+            yield name, param.detach()
+
+    def update_engine_weights(
+        self,
+        model: nn.Module,
+        *,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        name_map: Callable[[str], str | None] | None = None,
+        dtype: torch.dtype | None = None,
+        verify: bool | None = None,
+    ) -> dict[str, Any]:
+        """Send ``model``'s full weights to the engine, gathered one tensor at a time and
+        streamed in buckets of at most ``bucket_bytes`` (a tensor larger than that goes
+        alone); to an engine with ``update_weights_stream`` (vLLM) in one call that pulls
+        each tensor as it loads it (``bucket_bytes`` unused). ``name_map`` renames a
+        training name to the engine's (None drops it); ``dtype`` casts floating-point
+        tensors. Collective. A sleeping engine is woken (weights, then the sync, then its
+        KV cache) and left awake, as upstream's.
+
+        When the engine lists its parameters (``weight_shapes()``), names and shapes are
+        checked before the first bucket: a missing, extra or wrongly shaped name raises
+        :class:`lightrft.engines.WeightMismatchError` listing them all, and the engine
+        keeps its weights. ``verify`` (default: the config's ``verify_engine_sync``)
+        then checks the engine against the trainer with :meth:`verify_engine_weights`.
+
+        Returns ``tensors``, ``buckets`` (the engine calls that carried tensors: 1 for a
+        stream), ``bytes``, ``gather_s`` (gathering full tensors), ``load_s`` (inside
+        the engine's ``update_weights`` and ``finish_weight_update``, or its stream call
+        less the pulls' gathering) and ``weight_version`` (the engine's, when it has
+        one); with ``verify``, also ``max_logprob_gap``. Without an engine it logs a
+        warning and returns ``{}``, as upstream's base class does."""
+        self._require_setup("update_engine_weights")
+        engine = self.inference_engine
+        if engine is None:  # as upstream's: a trainer without rollouts carries on
+            logger.warning(
+                "update_engine_weights: no inference engine is set up, nothing was sent "
+                "(call strategy.setup_inference_engine(...) first to sync one)"
+            )
+            return {}
+        model = training_module(model)  # upstream's actor: its Hugging Face model's names
+        if bucket_bytes < 1:
+            raise ValueError(f"bucket_bytes={bucket_bytes} must be >= 1")
+        sent: dict[str, tuple[int, ...]] = {}
+        source: dict[str, str] = {}
+        for name, param in self.unwrap_model(model).named_parameters():
+            target = name_map(name) if name_map is not None else name
+            if target is None:
+                continue
+            if target in source:
+                raise ValueError(
+                    f"name_map maps both {source[target]!r} and {name!r} to {target!r}: each "
+                    "engine name must come from one parameter (map one of them to None to "
+                    "drop it)"
+                )
+            source[target], sent[target] = name, _full_shape(param)
+        offered = capabilities_module()
+        # None: the engine cannot tell
+        expected = engine.weight_shapes() if isinstance(engine, offered.WeightShapes) else None
+        if expected is not None:
+            protocol_module().check_weight_shapes(expected, sent)
+        # a sleeping engine is woken, as upstream's update_engine_weights wakes it before
+        # broadcasting (whole, with one wake_up()); here in the order a level-2 sleep
+        # needs: the weights, the sync, then the KV cache
+        self._wake(["weights"], blind=False)
+        counts = {"tensors": 0, "bytes": 0}
+
+        def full_tensors() -> Iterator[tuple[str, torch.Tensor]]:
+            for name, tensor in self.iter_full_parameters(model):
+                target = name_map(name) if name_map is not None else name
+                if target is None:
+                    continue
+                value = tensor.detach()
+                if dtype is not None and value.is_floating_point():
+                    value = value.to(dtype)
+                counts["tensors"] += 1
+                counts["bytes"] += value.numel() * value.element_size()
+                yield target, value
+
+        started = time.perf_counter()
+        if isinstance(engine, offered.WeightStreaming):
+            stream = engine.update_weights_stream
+            load_s = self._stream_weights(engine, stream, SyncTensors(full_tensors()))
+            buckets = 1 if counts["tensors"] else 0
+        else:
+            buckets, load_s = self._send_buckets(engine, SyncTensors(full_tensors()), bucket_bytes)
+        self._wake(["kv_cache"], blind=False)
+        stats: dict[str, Any] = {
+            "tensors": counts["tensors"],
+            "buckets": buckets,
+            "bytes": counts["bytes"],
+            "gather_s": time.perf_counter() - started - load_s,
+            "load_s": load_s,
+            "weight_version": weight_version(engine),
+        }
+        if self.config.verify_engine_sync if verify is None else verify:
+            stats.update(self.verify_engine_weights(model))
+        return stats
+
+    @staticmethod
+    def _send_buckets(engine: Any, tensors: SyncTensors, bucket_bytes: int) -> tuple[int, float]:
+        """``engine.update_weights`` per bucket of at most ``bucket_bytes`` (a larger
+        tensor alone), then ``finish_weight_update``: (buckets, seconds in the engine)."""
+        load_s = 0.0
+        buckets = size = 0
+        bucket: list[tuple[str, torch.Tensor]] = []
+
+        def send() -> None:
+            nonlocal load_s, buckets, bucket, size
+            t0 = time.perf_counter()
+            with tensors.drained_on_error():
+                engine.update_weights(bucket)
+            load_s += time.perf_counter() - t0
+            buckets += 1
+            bucket, size = [], 0
+
+        for name, value in tensors:
+            nbytes = value.numel() * value.element_size()
+            if bucket and size + nbytes > bucket_bytes:
+                send()
+            bucket.append((name, value))
+            size += nbytes
+        if bucket:
+            send()
+        t0 = time.perf_counter()
+        engine.finish_weight_update()
+        return buckets, load_s + time.perf_counter() - t0
+
+    @staticmethod
+    def _stream_weights(engine: Any, stream: Callable[..., None], tensors: SyncTensors) -> float:
+        """The whole sync in one ``engine.update_weights_stream`` call that pulls each
+        tensor from ``tensors`` (gathered as it is pulled): the seconds in the engine,
+        the pulls' gathering excluded. An engine that returns without reading every
+        tensor is an error, counted in the message; before it is raised, and before an
+        error of the engine's own propagates, the rest are drained (gathering is
+        collective: a rank whose engine failed alone still does its part, so the others
+        do not hang)."""
+        t0 = time.perf_counter()
+        with tensors.drained_on_error():
+            stream(tensors)
+        load_s = time.perf_counter() - t0 - tensors.pulled_s
+        unread = tensors.drain()
+        if unread:
+            protocol = protocol_module()
+            raise protocol.EngineError(
+                f"{type(engine).__name__}.update_weights_stream returned with {unread} "
+                "tensor(s) unread: the engine's weights are incomplete; it must read the "
+                "iterable to its end or raise"
+            )
+        return load_s
+
+    def verify_engine_weights(
+        self,
+        model: nn.Module,
+        *,
+        probe: Sequence[int] | None = None,
+        max_new_tokens: int = 8,
+        tolerance: float | None = None,
+    ) -> dict[str, Any]:
+        """Check that the engine generates from ``model``'s weights: the engine's
+        logprobs of a short greedy continuation of ``probe`` must equal the trainer's own
+        (a forward pass of ``model``) within ``tolerance`` (default 1e-3 when both
+        compute in fp32, else 0.1). Collective (the forward too). Raises
+        :class:`lightrft.engines.EngineError` naming the gap, the token and the
+        tolerance; returns ``max_logprob_gap`` and ``probe_tokens``."""
+        protocol = protocol_module()
+        engine = self._require_engine("verify_engine_weights")
+        model = training_module(model)  # upstream's actor: its Hugging Face model
+        vocab = int(limits(engine)[0] or 2)
+        ids = list(probe) if probe is not None else [(7 * i + 3) % vocab for i in range(8)]
+        params = protocol.SamplingParams(
+            max_new_tokens=max_new_tokens, temperature=0.0, logprobs=True
+        )
+        out = self.gather_and_generate([ids], params)[0]
+        if out.logprobs is None:
+            raise protocol.EngineError(
+                f"{type(engine).__name__} returned no logprobs, so its weights cannot be "
+                "verified; turn verify_engine_sync off for this engine"
+            )
+        tokens = torch.tensor([ids + list(out.output_token_ids)], device=self.device)
+        was_training = model.training
+        model.eval()
+        try:
+            with torch.no_grad():
+                result = model(tokens)
+        finally:
+            model.train(was_training)
+        logits = getattr(result, "logits", result)
+        mine = logits[0].float().log_softmax(-1)
+        start = len(ids)
+        gaps = [
+            abs(float(mine[start - 1 + j, token]) - float(theirs))
+            for j, (token, theirs) in enumerate(
+                zip(out.output_token_ids, out.logprobs, strict=True)
+            )
+        ]
+        gap = max(gaps, default=0.0)
+        if tolerance is None:
+            offered = capabilities_module()
+            dtype = engine.dtype if isinstance(engine, offered.ComputeDtype) else "float32"
+            fp32 = self.config.resolved_precision == "fp32" and dtype in ("float32", torch.float32)
+            tolerance = 1e-3 if fp32 else 0.1
+        if not gap <= tolerance:  # NaN fails too
+            worst = gaps.index(gap)
+            raise protocol.EngineError(
+                f"the engine's weights are not the trainer's: its logprob of output token "
+                f"{worst} of the probe differs by {gap:.3g} > tolerance {tolerance:g} "
+                f"(probe {ids}, engine weight_version "
+                f"{weight_version(engine) or '?'}). The last update_engine_weights "
+                "did not reach the engine, or it computes in another precision (pass "
+                "tolerance=)"
+            )
+        return {"max_logprob_gap": gap, "probe_tokens": len(gaps)}
+
+
+def _full_shape(param: torch.Tensor) -> tuple[int, ...]:
+    """The unsharded shape of a parameter (DeepSpeed ZeRO-3 keeps it in ``ds_shape``;
+    a DTensor's shape is already the global one)."""
+    shape = getattr(param, "ds_shape", None)
+    return tuple(shape if shape is not None else param.shape)
