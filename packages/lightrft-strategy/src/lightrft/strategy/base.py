@@ -1,5 +1,5 @@
-# size: still the whole training API plus backend hooks; to be split into components (backend,
-#   checkpoint manager, engine link) by issue 24
+# size: still the training API plus the backend hooks and the checkpoint helpers; the backend
+#   and the checkpoint manager are to become components handed to it (issue 24)
 """`StrategyBase`: the one interface training code is written against.
 
 The class holds the lifecycle (distributed setup, seeding, readiness, close) and the
