@@ -44,6 +44,7 @@ from lightrft.strategy.data import ResumableDataLoader, build_dataloader
 from lightrft.strategy.engine_link import InferenceEngineCalls
 from lightrft.strategy.optim import build_adamw, build_scheduler, parameter_groups
 from lightrft.strategy.stepping import StepState, StepStates, clip_and_check, record_skip
+from lightrft.strategy.upstream_names import UpstreamAttributes
 
 logger = logging.getLogger("lightrft.strategy")
 _print_logger = logging.getLogger("lightrft.strategy.print")
@@ -51,7 +52,7 @@ _print_logger = logging.getLogger("lightrft.strategy.print")
 Triple = tuple[nn.Module, torch.optim.Optimizer, Any]
 
 
-class StrategyBase(InferenceEngineCalls, metaclass=ReadyOnConstruction):
+class StrategyBase(UpstreamAttributes, InferenceEngineCalls, metaclass=ReadyOnConstruction):
     """A distributed training strategy. Build one with :func:`lightrft.strategy.get_strategy`.
 
     The constructor returns a strategy that has joined the job, as upstream's does: it
@@ -97,47 +98,6 @@ class StrategyBase(InferenceEngineCalls, metaclass=ReadyOnConstruction):
             weakref.WeakKeyDictionary()
         )
         self._ema_steps: weakref.WeakKeyDictionary[nn.Module, int] = weakref.WeakKeyDictionary()
-
-    # -- upstream attribute names ------------------------------------------------------
-    @property
-    def seed(self) -> int:
-        return self.config.seed
-
-    @property
-    def max_norm(self) -> float:
-        return self.config.max_norm
-
-    @property
-    def micro_train_batch_size(self) -> int:
-        return self.config.micro_train_batch_size
-
-    @property
-    def train_batch_size(self) -> int:
-        return self.config.train_batch_size
-
-    @property
-    def bf16(self) -> bool:
-        return self.config.bf16
-
-    @property
-    def adam_offload(self) -> bool:
-        return self.config.adam_offload
-
-    @property
-    def zpg(self) -> int:
-        return self.config.zpg
-
-    @property
-    def grad_accum_dtype(self) -> str | None:
-        return self.config.grad_accum_dtype
-
-    @property
-    def overlap_comm(self) -> bool:
-        return self.config.overlap_comm
-
-    @property
-    def engine_type(self) -> str:
-        return self.config.engine_type
 
     @property
     def world_size(self) -> int:
