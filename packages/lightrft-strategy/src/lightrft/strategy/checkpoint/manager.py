@@ -49,7 +49,7 @@ from lightrft.strategy.checkpoint.safe_io import check_plain, load_plain, save_p
 from lightrft.strategy.hf_export import tied_aliases
 
 if TYPE_CHECKING:
-    from lightrft.strategy.base import StrategyBase
+    from lightrft.strategy.checkpoint.host import CheckpointHost
 
 logger = logging.getLogger(__name__)
 
@@ -63,7 +63,7 @@ def _versions() -> dict[str, str]:
 
 
 def save_checkpoint(
-    strategy: StrategyBase,
+    strategy: CheckpointHost,
     model: nn.Module,
     save_dir: Path,
     tag: str | None,
@@ -189,7 +189,7 @@ def _write_hf_config(model: nn.Module, staging: Path) -> None:
 
 
 def _write_rank0_pieces(
-    strategy: StrategyBase,
+    strategy: CheckpointHost,
     model: nn.Module,
     scheduler: Any,
     client_state: dict[str, Any],
@@ -207,7 +207,7 @@ def _write_rank0_pieces(
 
 
 def load_checkpoint(
-    strategy: StrategyBase,
+    strategy: CheckpointHost,
     model: nn.Module,
     load_dir: Path,
     tag: str | None,
