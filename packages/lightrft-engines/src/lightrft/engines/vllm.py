@@ -429,7 +429,7 @@ class VLLMEngine(
         reset = getattr(self.llm, "reset_prefix_cache", None)
         if callable(reset):  # cached prefixes were computed with the old weights
             reset()
-        self._synced()
+        super()._synced()
 
     # -- sleep -------------------------------------------------------------------------
     def _release(self, level: int) -> None:

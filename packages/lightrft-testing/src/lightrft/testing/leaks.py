@@ -16,11 +16,20 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-__all__ = ["ALLOWED_ENV", "ALLOWED_THREADS", "Snapshot", "clean_up", "find", "snapshot"]
+__all__ = [
+    "ALLOWED_ENV",
+    "ALLOWED_THREADS",
+    "ALLOWED_THREAD_MODULES",
+    "Snapshot",
+    "clean_up",
+    "find",
+    "snapshot",
+]
 
 #: Variables libraries set in the process on first use, which no test can avoid:
 #: OpenMP's, DeepSpeed's accelerator choice and CUDA check, tokenizers' setting, the
-#: Triton and TorchInductor caches (torch's extension builder), pytest's own.
+#: Triton and TorchInductor caches (torch's extension builder), what importing vLLM
+#: sets (and OpenCV, which it imports, to LD_LIBRARY_PATH), pytest's own.
 ALLOWED_ENV = frozenset(
     {
         "KMP_DUPLICATE_LIB_OK",
@@ -30,12 +39,19 @@ ALLOWED_ENV = frozenset(
         "TOKENIZERS_PARALLELISM",
         "TRITON_CACHE_DIR",
         "TORCHINDUCTOR_CACHE_DIR",
+        "TORCHINDUCTOR_COMPILE_THREADS",
+        "TRITON_CACHE_AUTOTUNING",
+        "TILELANG_CLEANUP_TEMP_FILES",
+        "LD_LIBRARY_PATH",
         "PYTEST_CURRENT_TEST",
     }
 )
 #: Threads libraries keep for the process's life (name prefixes): tqdm's monitor, the
 #: stdlib's queue feeder, a debugger's.
 ALLOWED_THREADS = ("tqdm_monitor", "TMonitor", "QueueFeederThread", "pydevd")
+#: Modules whose threads are kept for the process's life: the stdlib's resource sharer
+#: (started when a tensor's file descriptor is pickled, as SGLang's serializer does).
+ALLOWED_THREAD_MODULES = ("multiprocessing.resource_sharer",)
 _THREAD_GRACE_S = 2.0
 
 
@@ -66,7 +82,11 @@ def _new_threads(before: Snapshot, allowed: Iterable[str]) -> list[threading.Thr
         new = [
             t
             for t in threading.enumerate()
-            if t.ident not in before.threads and t.is_alive() and not t.name.startswith(prefixes)
+            if t.ident not in before.threads
+            and t.is_alive()
+            and not t.name.startswith(prefixes)
+            and getattr(getattr(t, "_target", None), "__module__", None)
+            not in ALLOWED_THREAD_MODULES
         ]
         if not new or time.monotonic() >= deadline:
             return new
