@@ -1,5 +1,5 @@
-# size: one pydantic model: upstream's ~90 fields, their descriptions and the validators that join
-#   them are one unit a reader checks together
+# size: one pydantic model: its 60 fields (upstream's names where its config.py has them, 43
+#   at 49e62cb), their descriptions and the validators that join them, read together
 """`StrategyConfig`: the settings of a LightRFT training strategy, typed and checked.
 
 Field names and defaults are upstream LightRFT's, so an existing argparse namespace
