@@ -58,14 +58,14 @@ def test_an_engine_that_pulls_gets_the_whole_sync_in_one_call_tensor_by_tensor(
     model = workers.TinyRegressor()
     engine = strategy.setup_inference_engine(FakeEngine(weight_stream=True))
     events: list[str] = []
-    gather = strategy.iter_full_parameters
+    gather = strategy.backend.iter_full_parameters
 
     def logged(m: Any) -> Any:
         for name, tensor in gather(m):
             events.append(f"gather {name}")
             yield name, tensor
 
-    strategy.iter_full_parameters = logged  # type: ignore[method-assign]
+    strategy.backend.iter_full_parameters = logged  # type: ignore[method-assign]
     update = engine.update_weights
     engine.update_weights = lambda items: (  # type: ignore[method-assign]
         events.extend(f"load {n}" for n, _ in items),
@@ -124,14 +124,14 @@ def test_an_engine_that_stops_pulling_early_is_an_error_and_every_gather_still_r
     engine.update_weights_stream = two_then_return  # type: ignore[attr-defined]
     strategy.setup_inference_engine(engine)
     gathered: list[str] = []
-    gather = strategy.iter_full_parameters
+    gather = strategy.backend.iter_full_parameters
 
     def counted(m: Any) -> Any:
         for name, tensor in gather(m):
             gathered.append(name)  # collective on a sharded model: every rank must run it
             yield name, tensor
 
-    strategy.iter_full_parameters = counted  # type: ignore[method-assign]
+    strategy.backend.iter_full_parameters = counted  # type: ignore[method-assign]
     total = len(list(model.parameters()))
     with pytest.raises(
         EngineError,

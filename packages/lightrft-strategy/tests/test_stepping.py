@@ -244,8 +244,10 @@ def test_offload_model_and_reload_model_leave_the_models_of_a_cpu_job_in_place(
 ) -> None:
     with FSDP2Strategy(device="cpu") as strategy:
         moves: list[nn.Module] = []
-        move = strategy._move_model
-        monkeypatch.setattr(strategy, "_move_model", lambda m, d: (moves.append(m), move(m, d)))
+        move = strategy.backend.move_model
+        monkeypatch.setattr(
+            strategy.backend, "move_model", lambda m, d: (moves.append(m), move(m, d))
+        )
         sharded = strategy.prepare_model(workers.TinyRegressor(), is_training=True)
         models = [torch.nn.Linear(3, 3), sharded]
         params = [list(m.parameters()) for m in models]

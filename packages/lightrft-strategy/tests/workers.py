@@ -169,13 +169,13 @@ def killed_save_case(save_dir: str, kill_in: str) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
     if kill_in == "backend_state":  # after the model state is on disk, before the rest
-        original = type(strategy).save_backend_state
+        original = strategy.backend.save_state
 
-        def save_then_die(self: Any, *args: Any) -> None:
-            original(self, *args)
+        def save_then_die(*args: Any) -> None:
+            original(*args)
             die()
 
-        type(strategy).save_backend_state = save_then_die  # type: ignore[method-assign]
+        strategy.backend.save_state = save_then_die  # type: ignore[method-assign]
     else:  # commit: metadata written, directory not yet renamed
         real_replace = os.replace
 

@@ -1,15 +1,17 @@
-# size: still the training API plus the backend hooks and the checkpoint helpers; the backend
-#   and the checkpoint manager are to become components handed to it (issue 24)
+# size: the training API a trainer calls, in one class: about fifty methods, each a docstring
+#   and a few lines handing the work to the backend, the engine link or a module of its own
 """`StrategyBase`: the one interface training code is written against.
 
 The class holds the lifecycle (distributed setup, seeding, readiness, close) and the
-training API (prepare, backward, optimizer step with accumulation and clipping, data
-loaders, checkpoints, models saved for Hugging Face); the engine calls (weight sync,
-generation, sleep/wake) are mixed in from :mod:`lightrft.strategy.engine_link`. The work
-lives in modules of its own that this class calls: collectives, data, stepping,
-optim, the checkpoint manager and sequence parallelism (``sequence_parallel``,
-``ulysses``). A backend (FSDP2, DeepSpeed) supplies how models are wrapped and how
-their state is saved, gathered and loaded: the abstract methods below.
+training API (prepare, backward, optimizer step, data loaders, checkpoints, models saved
+for Hugging Face), with its components as attributes: ``backend`` (a
+:class:`~lightrft.strategy.backend.Backend`: how models are wrapped, stepped, gathered,
+saved and loaded on FSDP2 or DeepSpeed) and ``engine_link`` (weight sync, generation,
+sleep/wake: :mod:`lightrft.strategy.engine_link`). Upstream's names for the engine calls
+and upstream's read-only attributes are delegates mixed in from
+:mod:`lightrft.strategy.upstream_names`. The rest of the work lives in modules this class
+calls: collectives, data, stepping, optim, the checkpoint manager and sequence
+parallelism (``sequence_parallel``, ``ulysses``).
 """
 
 from __future__ import annotations
@@ -18,14 +20,12 @@ import contextlib
 import datetime
 import gc
 import logging
-import math
 import random
 import sys
 import weakref
-from abc import abstractmethod
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
@@ -34,6 +34,8 @@ from torch import nn
 from lightrft.config import StrategyConfig
 from lightrft.strategy import collectives, distributed, sequence_parallel, ulysses
 from lightrft.strategy.actor import is_actor, training_module
+from lightrft.strategy.backend import Backend, Triple
+from lightrft.strategy.checkpoint.subject import CheckpointSubject, Ranks
 from lightrft.strategy.construction import (
     BASE_PARAMETERS,
     NotSetUpError,
@@ -41,18 +43,18 @@ from lightrft.strategy.construction import (
     config_from_constructor,
 )
 from lightrft.strategy.data import ResumableDataLoader, build_dataloader
-from lightrft.strategy.engine_link import InferenceEngineCalls
-from lightrft.strategy.optim import build_adamw, build_scheduler, parameter_groups
-from lightrft.strategy.stepping import StepState, StepStates, clip_and_check, record_skip
-from lightrft.strategy.upstream_names import UpstreamAttributes
+from lightrft.strategy.engine_link import EngineLink
+from lightrft.strategy.optim import build_scheduler, parameter_groups
+from lightrft.strategy.stepping import StepState, StepStates
+from lightrft.strategy.upstream_names import UpstreamAttributes, UpstreamEngineCalls
 
 logger = logging.getLogger("lightrft.strategy")
 _print_logger = logging.getLogger("lightrft.strategy.print")
 
-Triple = tuple[nn.Module, torch.optim.Optimizer, Any]
+__all__ = ["StrategyBase", "Triple"]
 
 
-class StrategyBase(UpstreamAttributes, InferenceEngineCalls, metaclass=ReadyOnConstruction):
+class StrategyBase(UpstreamAttributes, UpstreamEngineCalls, metaclass=ReadyOnConstruction):
     """A distributed training strategy. Build one with :func:`lightrft.strategy.get_strategy`.
 
     The constructor returns a strategy that has joined the job, as upstream's does: it
@@ -75,6 +77,10 @@ class StrategyBase(UpstreamAttributes, InferenceEngineCalls, metaclass=ReadyOnCo
     backend_name: str = ""
     #: Upstream's positional constructor parameters of this class, in order.
     upstream_parameters: tuple[str, ...] = BASE_PARAMETERS
+    #: The backend component this strategy builds (``strategy.backend``).
+    backend_class: ClassVar[type[Backend] | None] = None
+    #: The engine link this strategy builds (``strategy.engine_link``).
+    engine_link_class: ClassVar[type[EngineLink]] = EngineLink
 
     def __init__(self, *positional: Any, defer_setup: bool = False, **overrides: Any) -> None:
         self.config, args = config_from_constructor(
@@ -98,6 +104,15 @@ class StrategyBase(UpstreamAttributes, InferenceEngineCalls, metaclass=ReadyOnCo
             weakref.WeakKeyDictionary()
         )
         self._ema_steps: weakref.WeakKeyDictionary[nn.Module, int] = weakref.WeakKeyDictionary()
+        if self.backend_class is None:
+            raise TypeError(
+                f"{type(self).__name__} names no backend_class; build a strategy with "
+                "lightrft.strategy.get_strategy(config), or subclass one that sets it"
+            )
+        #: How models are wrapped, stepped, gathered, saved and loaded on this backend.
+        self.backend: Backend = self.backend_class(self)
+        #: The rollout engine's link: setup, weight sync, generation, sleep/wake.
+        self.engine_link: EngineLink = self.engine_link_class(self)
 
     @property
     def world_size(self) -> int:
@@ -182,7 +197,7 @@ class StrategyBase(UpstreamAttributes, InferenceEngineCalls, metaclass=ReadyOnCo
         self.set_seed(self.config.seed)
         self._ready, self._closed = True, False
         try:
-            self._after_setup()
+            self.backend.after_setup()
         except BaseException:
             self._ready = False
             raise
@@ -195,9 +210,6 @@ class StrategyBase(UpstreamAttributes, InferenceEngineCalls, metaclass=ReadyOnCo
             self._accumulated_gradient,
         )
 
-    def _after_setup(self) -> None:
-        """Backend hook run at the end of :meth:`setup_distributed`."""
-
     def _sizes(self) -> StrategyConfig:
         """The config whose parallel sizes (``sp_size``, ``engine_tp_size``) this process
         runs with: ``config`` itself, except where a backend simulates them (the fake)."""
@@ -206,8 +218,10 @@ class StrategyBase(UpstreamAttributes, InferenceEngineCalls, metaclass=ReadyOnCo
     def close(self) -> None:
         """Shut the inference engine down (if one was set up), then destroy the process
         group if :meth:`setup_distributed` created it. The strategy is then no longer
-        set up. The engine goes first: vLLM's shutdown tears down its own distributed
-        state, the default process group included."""
+        set up. The backend releases what it holds first (DeepSpeed's engines), then
+        the engine goes: vLLM's shutdown tears down its own distributed state, the
+        default process group included."""
+        self.backend.close()
         engine, self.inference_engine = self.inference_engine, None
         if engine is not None:
             if self._owns_process_group and dist.is_initialized():
@@ -318,14 +332,14 @@ class StrategyBase(UpstreamAttributes, InferenceEngineCalls, metaclass=ReadyOnCo
         self._dataloaders.append(weakref.ref(loader))
         return loader
 
-    def tracked_dataloaders(self) -> list[ResumableDataLoader]:
+    def _tracked_dataloaders(self) -> list[ResumableDataLoader]:
         """Loaders made by :meth:`setup_dataloader` and still alive, in creation order."""
         return [loader for ref in self._dataloaders if (loader := ref()) is not None]
 
-    def restore_dataloader_states(self, states: list[dict[str, int]]) -> None:
+    def _restore_dataloader_states(self, states: list[dict[str, int]]) -> None:
         """Give saved loader states to the loaders, by creation order. Loaders created
         after the checkpoint was loaded take the states left over, in order."""
-        loaders = self.tracked_dataloaders()
+        loaders = self._tracked_dataloaders()
         for loader, state in zip(loaders, states, strict=False):
             loader.load_state_dict(state)
         self._pending_loader_states = list(states[len(loaders) :])
@@ -345,24 +359,16 @@ class StrategyBase(UpstreamAttributes, InferenceEngineCalls, metaclass=ReadyOnCo
         ``weight_decay`` to ``l2``; other keyword arguments go to the optimizer.
         """
         self._require_setup("create_optimizer")
-        model = self._model_for_optimizer(training_module(model))
+        model = self.backend.model_for_optimizer(training_module(model))
         lr = kwargs.pop("lr", self.config.actor_learning_rate)
         betas = tuple(kwargs.pop("betas", self.config.adam_betas))
         weight_decay = kwargs.pop("weight_decay", self.config.l2)
         groups = parameter_groups(self.unwrap_model(model), weight_decay)
-        optimizer = self._build_optimizer(groups, lr=lr, betas=(betas[0], betas[1]), **kwargs)
+        optimizer = self.backend.build_optimizer(
+            groups, lr=lr, betas=(betas[0], betas[1]), **kwargs
+        )
         self._optimizers[model] = (optimizer, None)  # save_ckpt(model) finds it
         return optimizer
-
-    def _build_optimizer(
-        self, groups: list[dict[str, Any]], *, lr: float, betas: tuple[float, float], **kwargs: Any
-    ) -> torch.optim.Optimizer:
-        """Backend hook: the Adam implementation (torch's AdamW by default)."""
-        return build_adamw(groups, lr=lr, betas=betas, **kwargs)
-
-    def _model_for_optimizer(self, model: nn.Module) -> nn.Module:
-        """Backend hook: the module whose parameters the optimizer must hold."""
-        return model
 
     def create_scheduler(self, optimizer: torch.optim.Optimizer, max_steps: int) -> Any:
         """The configured warmup + ``lr_scheduler`` schedule over ``max_steps`` steps."""
@@ -394,7 +400,7 @@ class StrategyBase(UpstreamAttributes, InferenceEngineCalls, metaclass=ReadyOnCo
                         f"{len(item)}-tuple"
                     )
                 model, optimizer, scheduler = item
-                inner, optimizer, scheduler = self._prepare_train(
+                inner, optimizer, scheduler = self.backend.prepare_train(
                     self._split_sequences(training_module(model)), optimizer, scheduler
                 )
                 self._optimizers[inner] = (optimizer, scheduler)
@@ -421,11 +427,11 @@ class StrategyBase(UpstreamAttributes, InferenceEngineCalls, metaclass=ReadyOnCo
             return model
         if shard_size == "auto" and is_training:  # upstream: trained models shard fully
             shard_size = -1
-        with self._model_layout(shard_size, reshard_after_forward):
+        with self.backend.model_layout(shard_size, reshard_after_forward):
             inner = self._split_sequences(training_module(model))
             if is_training:
-                return _put_back(model, self._prepare_train_model(inner))
-            return _put_back(model, self._prepare_eval(inner))
+                return _put_back(model, self.backend.prepare_train_model(inner))
+            return _put_back(model, self.backend.prepare_eval(inner))
 
     def _split_sequences(self, model: nn.Module) -> nn.Module:
         """At ``sp_size > 1``, Ulysses attention on ``model``'s decoder (checked before
@@ -433,25 +439,6 @@ class StrategyBase(UpstreamAttributes, InferenceEngineCalls, metaclass=ReadyOnCo
         if sequence_parallel.get_sequence_parallel_world_size() > 1:
             ulysses.apply_ulysses(model, sequence_parallel.get_sequence_parallel_group())
         return model
-
-    def _model_layout(
-        self, shard_size: int | str | None, reshard_after_forward: bool | None
-    ) -> contextlib.AbstractContextManager[Any]:
-        """Backend hook: a context in which models are wrapped with this layout."""
-        del shard_size, reshard_after_forward
-        return contextlib.nullcontext()
-
-    @abstractmethod
-    def _prepare_train(self, model: nn.Module, optimizer: Any, scheduler: Any) -> Triple:
-        """Backend: wrap a model with its optimizer and scheduler for training."""
-
-    @abstractmethod
-    def _prepare_train_model(self, model: nn.Module) -> nn.Module:
-        """Backend: wrap a model for training whose optimizer is created afterwards."""
-
-    @abstractmethod
-    def _prepare_eval(self, model: nn.Module) -> nn.Module:
-        """Backend: wrap a model for inference only."""
 
     def prepare_models_and_optimizers(
         self,
@@ -509,7 +496,7 @@ class StrategyBase(UpstreamAttributes, InferenceEngineCalls, metaclass=ReadyOnCo
     def _train_triple(
         self, model: nn.Module, config: StrategyConfig, lr: float, max_steps: int
     ) -> Triple:
-        inner = self._prepare_train_model(self._split_sequences(training_module(model)))
+        inner = self.backend.prepare_train_model(self._split_sequences(training_module(model)))
         optimizer = self.create_optimizer(
             inner, lr=lr, betas=config.adam_betas, weight_decay=config.l2
         )
@@ -531,16 +518,10 @@ class StrategyBase(UpstreamAttributes, InferenceEngineCalls, metaclass=ReadyOnCo
 
     # -- training steps ------------------------------------------------------------------
     def backward(self, loss: torch.Tensor, model: nn.Module, optimizer: Any, **kwargs: Any) -> None:
-        """Backpropagate ``loss / accumulated_gradient``."""
+        """Backpropagate ``loss / accumulated_gradient`` (gradients reduced over the
+        data-parallel ranks on the last micro-step of an accumulation)."""
         self._require_setup("backward")
-        model = training_module(model)
-        state = self.step_state(model)
-        last = (state.micro_steps + 1) % self.accumulated_gradient == 0
-        self._before_backward(model, is_last_micro_step=last)
-        (loss / self.accumulated_gradient).backward(**kwargs)  # type: ignore[no-untyped-call]
-
-    def _before_backward(self, model: nn.Module, is_last_micro_step: bool) -> None:
-        """Backend hook (FSDP2 skips gradient sync on all but the last micro-step)."""
+        self.backend.backward(loss, training_module(model), optimizer, **kwargs)
 
     def optimizer_step(
         self,
@@ -550,36 +531,22 @@ class StrategyBase(UpstreamAttributes, InferenceEngineCalls, metaclass=ReadyOnCo
         name: str = "model",
         **kwargs: Any,
     ) -> bool:
-        """Count a micro-step; on the last of ``accumulated_gradient`` clip, check and step.
-
-        Returns whether the optimizer stepped (False between accumulation boundaries
-        and when a non-finite gradient norm skipped the step).
-        """
+        """Count a micro-step; on the last of ``accumulated_gradient`` clip to
+        ``max_norm``, check the norm and step the optimizer and ``scheduler`` (DeepSpeed:
+        the scheduler given to :meth:`prepare`). Returns whether the optimizer stepped
+        (False between accumulation boundaries and when a non-finite gradient norm
+        skipped the step, which :meth:`step_state` records)."""
         self._require_setup("optimizer_step")
-        state = self.step_state(model)  # an actor's counters are its .model's
-        state.micro_steps += 1
-        if state.micro_steps % self.accumulated_gradient:
-            return False
-        params = [p for group in optimizer.param_groups for p in group["params"]]
-        norm = clip_and_check(params, self.config.max_norm)
-        state.last_grad_norm = norm
-        if not math.isfinite(norm):
-            record_skip(state, norm, name)
-            optimizer.zero_grad(set_to_none=True)
-            return False
-        optimizer.step()
-        if scheduler is not None:
-            scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        state.global_steps += 1
-        return True
+        return self.backend.optimizer_step(
+            optimizer, training_module(model), scheduler, name, **kwargs
+        )
 
     # -- optimizer offload ---------------------------------------------------------------
     def maybe_offload_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         """Move optimizer state to CPU memory (when ``adam_offload`` is off and the state
         lives on an accelerator); :meth:`maybe_load_optimizer` moves it back. Returns
         ``optimizer`` (as upstream's fake)."""
-        self._move_optimizer_state(optimizer, torch.device("cpu"))
+        self.backend.offload_optimizer(optimizer)
         return optimizer
 
     def maybe_load_optimizer(
@@ -587,18 +554,8 @@ class StrategyBase(UpstreamAttributes, InferenceEngineCalls, metaclass=ReadyOnCo
     ) -> torch.optim.Optimizer:
         """Move optimizer state back to ``device`` (default: this rank's device); returns
         ``optimizer``."""
-        self._move_optimizer_state(optimizer, torch.device(device) if device else self.device)
+        self.backend.load_optimizer(optimizer, torch.device(device) if device else self.device)
         return optimizer
-
-    def _move_optimizer_state(self, optimizer: torch.optim.Optimizer, device: torch.device) -> None:
-        if self.config.adam_offload:
-            return
-        for state in optimizer.state.values():
-            for key, value in state.items():
-                if isinstance(value, torch.Tensor) and key != "step":
-                    state[key] = value.to(device, non_blocking=True)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
 
     # -- model offload -------------------------------------------------------------------
     def offload_model(self, models: nn.Module | list[nn.Module], empty_cache: bool = True) -> None:
@@ -608,20 +565,14 @@ class StrategyBase(UpstreamAttributes, InferenceEngineCalls, metaclass=ReadyOnCo
         CPU job."""
         if self.device.type == "cuda":
             for model in models if isinstance(models, list | tuple) else [models]:
-                self._move_model(training_module(model), torch.device("cpu"))
+                self.backend.move_model(training_module(model), torch.device("cpu"))
             if empty_cache:
                 torch.cuda.empty_cache()
 
     def reload_model(self, models: nn.Module | list[nn.Module]) -> None:
         if self.device.type == "cuda":
             for model in models if isinstance(models, list | tuple) else [models]:
-                self._move_model(training_module(model), self.device)
-
-    def _move_model(self, model: nn.Module, device: torch.device) -> None:
-        """Backend hook; the default moves the module (FSDP2 re-registers its shards)."""
-        self.unwrap_model(model).to(device)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
+                self.backend.move_model(training_module(model), self.device)
 
     # -- memory --------------------------------------------------------------------------
     def report_memory(self, prefix: str = "") -> dict[str, float]:
@@ -650,15 +601,18 @@ class StrategyBase(UpstreamAttributes, InferenceEngineCalls, metaclass=ReadyOnCo
             torch.cuda.empty_cache()
 
     # -- model state -----------------------------------------------------------------------
-    @abstractmethod
     def init_model_context(self, meta_init: bool = False) -> contextlib.AbstractContextManager[Any]:
-        """Context in which to build models; ``meta_init`` defers allocation where the
-        backend can load the weights afterwards."""
+        """Context in which to build models: at ZeRO-3 they are partitioned as built;
+        with ``meta_init`` ranks other than 0 build on the meta device and take rank
+        0's weights when prepared (see the backend's docstring)."""
+        self._require_setup("init_model_context")
+        return self.backend.init_model_context(meta_init)
 
-    @abstractmethod
     def full_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
-        """Backend: the unsharded state dict on CPU (complete on rank 0; may be empty
-        elsewhere). Collective: every rank must call it."""
+        """The full (unsharded) weights of ``model`` on CPU: complete on rank 0, maybe
+        empty elsewhere. Collective: every rank must call it."""
+        self._require_setup("full_state_dict")
+        return self.backend.full_state_dict(training_module(model))
 
     def save_model(
         self, model: nn.Module, tokenizer: Any, output_dir: str | Path, **kwargs: Any
@@ -670,7 +624,7 @@ class StrategyBase(UpstreamAttributes, InferenceEngineCalls, metaclass=ReadyOnCo
 
         model = training_module(model)  # upstream's actor: its Hugging Face model
 
-        state = self.full_state_dict(model)
+        state = self.backend.full_state_dict(model)
         if self.is_rank_0():
             write_hf_checkpoint(
                 state, self.unwrap_model(model), Path(output_dir), tokenizer, **kwargs
@@ -721,12 +675,7 @@ class StrategyBase(UpstreamAttributes, InferenceEngineCalls, metaclass=ReadyOnCo
                 "in the model [%s]",
                 path, len(missing), shown(missing), len(unexpected), shown(unexpected),
             )  # fmt: skip
-        self._load_full_weights(model, {k: v for k, v in state.items() if k in expected})
-
-    def _load_full_weights(self, model: nn.Module, state: dict[str, torch.Tensor]) -> None:
-        """Backend hook: copy full (unsharded) tensors, all of whose names the model has,
-        into ``model``. The default copies into the unwrapped module's tensors."""
-        self.unwrap_model(model).load_state_dict(state, strict=False)
+        self.backend.load_full_weights(model, {k: v for k, v in state.items() if k in expected})
 
     def moving_average(
         self, model: nn.Module, model_ema: nn.Module, beta: float = 0.992, device: str = "cpu"
@@ -745,13 +694,9 @@ class StrategyBase(UpstreamAttributes, InferenceEngineCalls, metaclass=ReadyOnCo
         ema = self.unwrap_model(model_ema)
         if steps.micro_steps and self._ema_steps.get(ema, 0) >= steps.global_steps:
             return False
-        self._update_ema(model, model_ema, beta)
+        self.backend.update_ema(model, model_ema, beta)
         self._ema_steps[ema] = steps.global_steps
         return True
-
-    @abstractmethod
-    def _update_ema(self, model: nn.Module, model_ema: nn.Module, beta: float) -> None:
-        """Backend: ``ema = beta * ema + (1 - beta) * model`` over parameters, now."""
 
     # -- checkpoints -----------------------------------------------------------------------
     def save_ckpt(
@@ -777,8 +722,11 @@ class StrategyBase(UpstreamAttributes, InferenceEngineCalls, metaclass=ReadyOnCo
         from lightrft.strategy.checkpoint.manager import save_checkpoint
 
         return save_checkpoint(
-            self, training_module(model), Path(save_dir), tag, max_num, max_mem, client_state or {},
-            save_latest, optimizer, scheduler,
+            self._checkpoint_subject(model, optimizer, scheduler), self.backend,
+            self.backend_name, self._ranks(), Path(save_dir), tag,
+            max_num if max_num is not None else self.config.max_ckpt_num,
+            max_mem if max_mem is not None else self.config.max_ckpt_mem,
+            client_state or {}, save_latest,
         )  # fmt: skip
 
     def load_ckpt(
@@ -803,38 +751,41 @@ class StrategyBase(UpstreamAttributes, InferenceEngineCalls, metaclass=ReadyOnCo
         from lightrft.strategy.checkpoint.manager import load_checkpoint
 
         return load_checkpoint(
-            self, training_module(model), Path(load_dir), tag, load_module_strict,
+            self._checkpoint_subject(model, optimizer, scheduler), self.backend,
+            self.backend_name, self._ranks(), Path(load_dir), tag, load_module_strict,
             load_optimizer_states and not load_module_only,
-            load_lr_scheduler_states and not load_module_only, optimizer, scheduler,
-            module_only=load_module_only,
+            load_lr_scheduler_states and not load_module_only, module_only=load_module_only,
         )  # fmt: skip
+
+    def _checkpoint_subject(
+        self, model: nn.Module, optimizer: Any, scheduler: Any
+    ) -> CheckpointSubject:
+        """What a checkpoint of ``model`` holds: the model, the optimizer and scheduler
+        given (else those :meth:`prepare` paired with it), its step counters and the
+        loaders from :meth:`setup_dataloader`."""
+        model = training_module(model)
+        paired_optimizer, paired_scheduler = self._optimizers.get(model, (None, None))
+        return CheckpointSubject(
+            model=model,
+            module=self.unwrap_model(model),
+            optimizer=optimizer if optimizer is not None else paired_optimizer,
+            scheduler=scheduler if scheduler is not None else paired_scheduler,
+            steps=self.step_state(model),
+            loaders=self._tracked_dataloaders(),
+            restore_loaders=self._restore_dataloader_states,
+        )
+
+    def _ranks(self) -> Ranks:
+        return Ranks(
+            rank=self.get_rank(),
+            world_size=self.world_size,
+            barrier=self.barrier,
+            all_reduce_min=lambda value: int(self.all_reduce(value, "min")),
+        )
 
     def optimizer_of(self, model: nn.Module) -> tuple[Any, Any]:
         """The (optimizer, scheduler) :meth:`prepare` paired with ``model``, or Nones."""
         return self._optimizers.get(training_module(model), (None, None))
-
-    def optimizer_param_groups(self, model: nn.Module, optimizer: Any) -> list[list[Any]] | None:
-        """Backend: the parameters of each of ``optimizer``'s groups, in its order, as the
-        model holds them (recorded by name in checkpoints); None when it cannot tell."""
-        groups = getattr(optimizer, "param_groups", None)
-        if not groups:
-            return None
-        return [list(group["params"]) for group in groups]
-
-    def checkpoint_info(self) -> dict[str, Any]:
-        """Backend: facts recorded in a checkpoint's metadata that decide whether it can
-        be loaded (DeepSpeed: the ZeRO stage). Plain JSON values."""
-        return {}
-
-    @abstractmethod
-    def save_backend_state(self, model: nn.Module, optimizer: Any, directory: Path) -> None:
-        """Backend: write model (and optimizer) state into ``directory``. Collective."""
-
-    @abstractmethod
-    def load_backend_state(
-        self, model: nn.Module, optimizer: Any, directory: Path, strict: bool
-    ) -> None:
-        """Backend: read what :meth:`save_backend_state` wrote. Collective."""
 
 
 def _put_back(model: nn.Module, prepared: nn.Module) -> nn.Module:

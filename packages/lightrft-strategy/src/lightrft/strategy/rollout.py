@@ -3,9 +3,9 @@ stay importable from here."""
 
 from lightrft.strategy.engine_link import (
     DEFAULT_BUCKET_BYTES,
-    InferenceEngineCalls,
+    EngineLink,
     build_multimodal_inputs,
     is_engine,
 )
 
-__all__ = ["DEFAULT_BUCKET_BYTES", "InferenceEngineCalls", "build_multimodal_inputs", "is_engine"]
+__all__ = ["DEFAULT_BUCKET_BYTES", "EngineLink", "build_multimodal_inputs", "is_engine"]

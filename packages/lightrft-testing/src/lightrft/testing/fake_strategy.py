@@ -47,14 +47,82 @@ from torch import nn
 from lightrft.config import StrategyConfig
 from lightrft.strategy import StrategyBase
 from lightrft.strategy import distributed as _distributed
-from lightrft.strategy.base import Triple
+from lightrft.strategy.backend import Backend, Triple
 from lightrft.strategy.checkpoint.layout import CheckpointError
 from lightrft.strategy.checkpoint.safe_io import load_plain, save_plain
+from lightrft.strategy.engine_link import EngineLink
 from lightrft.testing.mixed_precision import with_compute_precision
 
 logger = logging.getLogger("lightrft.testing")
 #: Sizes the fake accepts above 1 and simulates in its one process.
 SIMULATED_SIZES = ("sp_size", "engine_tp_size")
+
+
+class FakeBackend(Backend):
+    """The fake's backend: models are not sharded; checkpoints hold ``model.pt`` and
+    ``optim.pt``."""
+
+    # -- wrapping: none ------------------------------------------------------------------
+    def _wrap(self, model: nn.Module) -> nn.Module:
+        """On the device, computing in the configured precision (fp32 masters)."""
+        return with_compute_precision(model.to(self.device), self.config.resolved_precision)
+
+    def prepare_train(self, model: nn.Module, optimizer: Any, scheduler: Any) -> Triple:
+        return self._wrap(model), optimizer, scheduler
+
+    def prepare_train_model(self, model: nn.Module) -> nn.Module:
+        return self._wrap(model)
+
+    def prepare_eval(self, model: nn.Module) -> nn.Module:
+        return self._wrap(model).eval()
+
+    @contextlib.contextmanager
+    def init_model_context(self, meta_init: bool = False) -> Iterator[None]:
+        """Builds normally (``meta_init`` has no other rank to take weights from)."""
+        del meta_init
+        yield
+
+    # -- state -----------------------------------------------------------------------------
+    def full_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        module = self.strategy.unwrap_model(model)
+        return {k: v.detach().to("cpu").clone() for k, v in module.state_dict().items()}
+
+    def update_ema(self, model: nn.Module, model_ema: nn.Module, beta: float) -> None:
+        ema_params = dict(self.strategy.unwrap_model(model_ema).named_parameters())
+        with torch.no_grad():
+            for name, param in self.strategy.unwrap_model(model).named_parameters():
+                if name not in ema_params:
+                    raise ValueError(f"moving_average: the EMA model has no parameter {name!r}")
+                ema = ema_params[name]
+                ema.data.mul_(beta).add_(param.data.to(ema.device, ema.dtype), alpha=1 - beta)
+
+    def save_state(self, model: nn.Module, optimizer: Any, directory: Path) -> None:
+        save_plain(self.full_state_dict(model), directory / "model.pt", "model state")
+        if optimizer is not None:
+            save_plain(optimizer.state_dict(), directory / "optim.pt", "optimizer state")
+
+    def load_state(self, model: nn.Module, optimizer: Any, directory: Path, strict: bool) -> None:
+        module = self.strategy.unwrap_model(model)
+        state = load_plain(directory / "model.pt")
+        try:
+            module.load_state_dict(state, strict=strict)
+        except RuntimeError as exc:
+            first = " ".join(str(exc).split())[:400]
+            raise CheckpointError(
+                f"{directory} does not fit this model ({type(module).__name__}): {first}. "
+                "Load it into the model it was saved from, or pass "
+                "load_module_strict=False to load only the matching weights"
+            ) from exc
+        if optimizer is not None and (directory / "optim.pt").is_file():
+            optimizer.load_state_dict(load_plain(directory / "optim.pt"))
+
+
+class FakeEngineLink(EngineLink):
+    """The fake's engine link: any engine tensor-parallel size is accepted, one process
+    playing the whole group."""
+
+    def _check_tp(self, tp: int) -> int:
+        return 1 if tp > 1 else super()._check_tp(tp)
 
 
 class FakeStrategy(StrategyBase):
@@ -68,6 +136,8 @@ class FakeStrategy(StrategyBase):
     """
 
     backend_name = "fake"
+    backend_class = FakeBackend
+    engine_link_class = FakeEngineLink
 
     def __init__(self, *positional: Any, **overrides: Any) -> None:
         super().__init__(*positional, **{**overrides, "backend": "fake"})
@@ -105,10 +175,6 @@ class FakeStrategy(StrategyBase):
         """The config with ``sp_size`` and ``engine_tp_size`` simulated as 1."""
         return getattr(self, "_simulated_sizes", self.config)
 
-    def _check_tp(self, tp: int) -> int:
-        """Any engine tensor-parallel size: one process plays the whole group."""
-        return 1 if tp > 1 else super()._check_tp(tp)
-
     # -- engines ---------------------------------------------------------------------------
     def setup_inference_engine(
         self,
@@ -144,63 +210,6 @@ class FakeStrategy(StrategyBase):
         if prompt_token_ids is None and multi_modal_inputs is None:
             return []
         return super().engine_generate_local(sampling_params, prompt_token_ids, multi_modal_inputs)
-
-    # -- wrapping: none ------------------------------------------------------------------
-    def _wrap(self, model: nn.Module) -> nn.Module:
-        """On the device, computing in the configured precision (fp32 masters)."""
-        return with_compute_precision(model.to(self.device), self.config.resolved_precision)
-
-    def _prepare_train(self, model: nn.Module, optimizer: Any, scheduler: Any) -> Triple:
-        return self._wrap(model), optimizer, scheduler
-
-    def _prepare_train_model(self, model: nn.Module) -> nn.Module:
-        return self._wrap(model)
-
-    def _prepare_eval(self, model: nn.Module) -> nn.Module:
-        return self._wrap(model).eval()
-
-    @contextlib.contextmanager
-    def init_model_context(self, meta_init: bool = False) -> Iterator[None]:
-        """Builds normally (``meta_init`` has no other rank to take weights from)."""
-        del meta_init
-        self._require_setup("init_model_context")
-        yield
-
-    # -- state -----------------------------------------------------------------------------
-    def full_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
-        module = self.unwrap_model(model)
-        return {k: v.detach().to("cpu").clone() for k, v in module.state_dict().items()}
-
-    def _update_ema(self, model: nn.Module, model_ema: nn.Module, beta: float) -> None:
-        ema_params = dict(self.unwrap_model(model_ema).named_parameters())
-        with torch.no_grad():
-            for name, param in self.unwrap_model(model).named_parameters():
-                if name not in ema_params:
-                    raise ValueError(f"moving_average: the EMA model has no parameter {name!r}")
-                ema = ema_params[name]
-                ema.data.mul_(beta).add_(param.data.to(ema.device, ema.dtype), alpha=1 - beta)
-
-    def save_backend_state(self, model: nn.Module, optimizer: Any, directory: Path) -> None:
-        save_plain(self.full_state_dict(model), directory / "model.pt", "model state")
-        if optimizer is not None:
-            save_plain(optimizer.state_dict(), directory / "optim.pt", "optimizer state")
-
-    def load_backend_state(
-        self, model: nn.Module, optimizer: Any, directory: Path, strict: bool
-    ) -> None:
-        module = self.unwrap_model(model)
-        state = load_plain(directory / "model.pt")
-        try:
-            module.load_state_dict(state, strict=strict)
-        except RuntimeError as exc:
-            first = " ".join(str(exc).split())[:400]
-            raise CheckpointError(
-                f"{directory} does not fit this model ({type(module).__name__}): {first}. "
-                "Load it into the model it was saved from, or pass "
-                "load_module_strict=False to load only the matching weights"
-            ) from exc
-        if optimizer is not None and (directory / "optim.pt").is_file():
-            optimizer.load_state_dict(load_plain(directory / "optim.pt"))
 
 
 def get_fake_strategy(

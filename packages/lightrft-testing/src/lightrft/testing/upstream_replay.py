@@ -107,7 +107,7 @@ def _digest(model: nn.Module, strategy: Any) -> str:
     from lightrft.strategy.actor import training_module
 
     h = hashlib.sha256()
-    for name, tensor in strategy.iter_full_parameters(training_module(model)):
+    for name, tensor in strategy.backend.iter_full_parameters(training_module(model)):
         h.update(name.encode())
         h.update(tensor.detach().float().cpu().contiguous().numpy().tobytes())
     return h.hexdigest()

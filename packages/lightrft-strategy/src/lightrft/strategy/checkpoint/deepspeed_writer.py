@@ -243,7 +243,7 @@ def main(argv: list[str]) -> int:
     optimizer = _optimizer(model, payload["groups"])
     engine, ds_optimizer, _ = strategy.prepare((model, optimizer, None))
     set_full_state(engine, payload["weights"], payload["state"])
-    strategy.save_backend_state(engine, ds_optimizer, tag_dir)
+    strategy.backend.save_state(engine, ds_optimizer, tag_dir)
     strategy.barrier()
     strategy.close()
     return 0

@@ -1,6 +1,6 @@
 """save_ckpt / load_ckpt for every backend: the shared pieces around backend state.
 
-Inside a tag directory, besides what the backend writes (``save_backend_state``):
+Inside a tag directory, besides what the backend writes (``backend.save_state``):
 
     lightrft_checkpoint.json  metadata, written last by CheckpointDir.commit (rank 0;
                               see :mod:`lightrft.strategy.checkpoint.layout`): format,
@@ -24,6 +24,10 @@ without the model.
 
 ``load_checkpoint(module_only=True)`` restores only the model's weights and returns
 ``client_state``.
+
+The functions are handed what they save and restore (a :class:`CheckpointSubject`: the
+model, its optimizer, scheduler, step counters and the data loaders), the backend's
+state hooks and the ranks; they know nothing of the strategy that calls them.
 """
 
 from __future__ import annotations
@@ -49,7 +53,7 @@ from lightrft.strategy.checkpoint.safe_io import check_plain, load_plain, save_p
 from lightrft.strategy.hf_export import tied_aliases
 
 if TYPE_CHECKING:
-    from lightrft.strategy.checkpoint.host import CheckpointHost
+    from lightrft.strategy.checkpoint.subject import CheckpointBackend, CheckpointSubject, Ranks
 
 logger = logging.getLogger(__name__)
 
@@ -63,67 +67,61 @@ def _versions() -> dict[str, str]:
 
 
 def save_checkpoint(
-    strategy: CheckpointHost,
-    model: nn.Module,
+    subject: CheckpointSubject,
+    backend: CheckpointBackend,
+    backend_name: str,
+    ranks: Ranks,
     save_dir: Path,
     tag: str | None,
-    max_num: int | None,
-    max_mem: float | None,
+    keep: int,
+    max_mem: float,
     client_state: dict[str, Any],
     save_latest: bool,
-    optimizer: Any,
-    scheduler: Any,
 ) -> Path:
-    """Write one complete checkpoint (see :mod:`lightrft.strategy.checkpoint.layout`)."""
+    """Write one complete checkpoint (see :mod:`lightrft.strategy.checkpoint.layout`),
+    keeping the newest ``keep`` within ``max_mem`` GiB."""
     check_plain(client_state)  # fail on every rank before writing anything
-    keep = max_num if max_num is not None else strategy.config.max_ckpt_num
     if keep < 1:
         raise ValueError(f"save_ckpt max_num={keep} must be >= 1: the newest checkpoint is kept")
-    paired_optimizer, paired_scheduler = strategy.optimizer_of(model)
-    optimizer = optimizer if optimizer is not None else paired_optimizer
-    scheduler = scheduler if scheduler is not None else paired_scheduler
-    step = strategy.step_state(model).global_steps
+    optimizer, scheduler = subject.optimizer, subject.scheduler
+    step = subject.steps.global_steps
     tag = check_tag(tag if tag is not None else f"global_step{step}")
-    rank = strategy.get_rank()
-    ckpt = CheckpointDir(save_dir, rank=rank, barrier=strategy.barrier)
+    rank = ranks.rank
+    ckpt = CheckpointDir(save_dir, rank=rank, barrier=ranks.barrier)
 
     staging = ckpt.begin(tag)
-    strategy.save_backend_state(model, optimizer, staging)
+    backend.save_state(subject.model, optimizer, staging)
     (staging / "rng").mkdir(exist_ok=True)
     save_plain(capture_rng_state(), staging / "rng" / f"rank{rank}.pt", "rng state")
     failure: Exception | None = None
     if rank == 0:
         try:
-            _write_rank0_pieces(strategy, model, scheduler, client_state, staging)
+            _write_rank0_pieces(subject, client_state, staging)
         except Exception as exc:
             failure = exc
     # Every rank learns whether rank 0's part was written, so none waits at the commit
     # barrier for a rank that gave up; the staging directory is left, `latest` untouched.
-    if not strategy.all_reduce(int(failure is None), "min"):
+    if not ranks.all_reduce_min(int(failure is None)):
         if failure is not None:
             raise failure
         raise CheckpointError(f"rank 0 failed writing checkpoint {tag!r}; see rank 0's error")
     metadata = {
-        "backend": strategy.backend_name,
-        "world_size": strategy.world_size,
+        "backend": backend_name,
+        "world_size": ranks.world_size,
         "global_step": step,
         "has_optimizer": optimizer is not None,
         "has_scheduler": scheduler is not None,
-        "backend_info": strategy.checkpoint_info(),
+        "backend_info": backend.checkpoint_info(),
         "versions": _versions(),
-        "model": model_layout(strategy.unwrap_model(model)),
+        "model": model_layout(subject.module),
         "optimizer": _qualified_name(optimizer) if optimizer is not None else None,
         "optimizer_groups": optimizer_groups(
-            strategy.unwrap_model(model), strategy.optimizer_param_groups(model, optimizer)
+            subject.module, backend.optimizer_param_groups(subject.model, optimizer)
         ),
     }
     final = ckpt.commit(tag, staging, metadata, update_latest=save_latest)
-    ckpt.rotate(
-        keep,
-        max_mem if max_mem is not None else strategy.config.max_ckpt_mem,
-        keep=tag,
-    )
-    strategy.barrier()
+    ckpt.rotate(keep, max_mem, keep=tag)
+    ranks.barrier()
     if rank == 0:
         logger.info("saved checkpoint %s", final)
     return final
@@ -189,33 +187,28 @@ def _write_hf_config(model: nn.Module, staging: Path) -> None:
 
 
 def _write_rank0_pieces(
-    strategy: CheckpointHost,
-    model: nn.Module,
-    scheduler: Any,
-    client_state: dict[str, Any],
-    staging: Path,
+    subject: CheckpointSubject, client_state: dict[str, Any], staging: Path
 ) -> None:
-    if scheduler is not None:
-        save_plain(scheduler.state_dict(), staging / "scheduler.pt", "scheduler state")
+    if subject.scheduler is not None:
+        save_plain(subject.scheduler.state_dict(), staging / "scheduler.pt", "scheduler state")
     save_plain(client_state, staging / "client_state.pt", "client_state")
-    _write_hf_config(strategy.unwrap_model(model), staging)
-    loaders = [loader.state_dict() for loader in strategy.tracked_dataloaders()]
+    _write_hf_config(subject.module, staging)
+    loaders = [loader.state_dict() for loader in subject.loaders]
     (staging / "dataloaders.json").write_text(json.dumps(loaders))
-    step_state = strategy.step_state(model)
-    steps = {"global_steps": step_state.global_steps, "micro_steps": step_state.micro_steps}
+    steps = {"global_steps": subject.steps.global_steps, "micro_steps": subject.steps.micro_steps}
     (staging / "steps.json").write_text(json.dumps(steps))
 
 
 def load_checkpoint(
-    strategy: CheckpointHost,
-    model: nn.Module,
+    subject: CheckpointSubject,
+    backend: CheckpointBackend,
+    backend_name: str,
+    ranks: Ranks,
     load_dir: Path,
     tag: str | None,
     strict: bool,
     load_optimizer: bool,
     load_scheduler: bool,
-    optimizer: Any,
-    scheduler: Any,
     module_only: bool = False,
 ) -> tuple[str, dict[str, Any]]:
     """Verify, then restore; raises before touching any state if verification fails.
@@ -223,43 +216,41 @@ def load_checkpoint(
     With ``module_only`` only the model's weights are restored (and ``client_state``
     returned): no optimizer, scheduler, RNG, loader position or step counters.
     """
-    rank = strategy.get_rank()
-    ckpt = CheckpointDir(load_dir, rank=rank, barrier=strategy.barrier)
-    info = ckpt.resolve(tag, backend=strategy.backend_name)
-    paired_optimizer, paired_scheduler = strategy.optimizer_of(model)
-    optimizer = optimizer if optimizer is not None else paired_optimizer
-    scheduler = scheduler if scheduler is not None else paired_scheduler
+    rank = ranks.rank
+    ckpt = CheckpointDir(load_dir, rank=rank, barrier=ranks.barrier)
+    info = ckpt.resolve(tag, backend=backend_name)
+    model, optimizer, scheduler = subject.model, subject.optimizer, subject.scheduler
     if load_optimizer and optimizer is not None and not info.metadata.get("has_optimizer"):
         raise ValueError(f"{info.path} holds no optimizer state; pass load_optimizer_states=False")
 
     client_state = load_plain(info.path / "client_state.pt")
     if module_only:
-        strategy.load_backend_state(model, None, info.path, strict)
-        strategy.barrier()
+        backend.load_state(model, None, info.path, strict)
+        ranks.barrier()
         if rank == 0:
             logger.info("loaded the model weights of checkpoint %s", info.path)
         return str(info.path), client_state
     # Loader states first: a state that does not fit raises before any model state moves.
     states = json.loads((info.path / "dataloaders.json").read_text())
-    strategy.restore_dataloader_states(states)
-    strategy.load_backend_state(model, optimizer if load_optimizer else None, info.path, strict)
+    subject.restore_loaders(states)
+    backend.load_state(model, optimizer if load_optimizer else None, info.path, strict)
     if load_scheduler and scheduler is not None and (info.path / "scheduler.pt").is_file():
         scheduler.load_state_dict(load_plain(info.path / "scheduler.pt"))
     rng_file = info.path / "rng" / f"rank{rank}.pt"
-    if rng_file.is_file() and info.metadata.get("world_size") == strategy.world_size:
+    if rng_file.is_file() and info.metadata.get("world_size") == ranks.world_size:
         restore_rng_state(load_plain(rng_file))
     else:
         logger.warning(
             "checkpoint %s was saved at world size %s, now %d: RNG state not restored",
             info.path,
             info.metadata.get("world_size"),
-            strategy.world_size,
+            ranks.world_size,
         )
     steps = json.loads((info.path / "steps.json").read_text())
-    step_state = strategy.step_state(model)
+    step_state = subject.steps
     step_state.global_steps = int(steps["global_steps"])
     step_state.micro_steps = int(steps["micro_steps"])
-    strategy.barrier()
+    ranks.barrier()
     if rank == 0:
         logger.info("loaded checkpoint %s", info.path)
     return str(info.path), client_state

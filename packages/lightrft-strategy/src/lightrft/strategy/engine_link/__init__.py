@@ -6,8 +6,10 @@ The strategy talks to an engine only through the protocol of
 training side: gathering full weights from sharded parameters and streaming them to
 the engine (:mod:`.weight_sync`), splitting generation across the engine's
 tensor-parallel groups (:mod:`.generation`), and waking and sleeping it around both
-(:mod:`.sleep`). :class:`InferenceEngineCalls` joins them and sets the engine up; it is
-mixed into :class:`~lightrft.strategy.StrategyBase`.
+(:mod:`.sleep`). :class:`EngineLink` joins them and sets the engine up; a strategy holds
+one as ``strategy.engine_link``, and upstream's names on the strategy
+(``gather_and_generate``, ``update_engine_weights``, ...) delegate to it from
+:mod:`lightrft.strategy.upstream_names`, where upstream's call shapes are converted.
 """
 
 from __future__ import annotations
@@ -23,14 +25,13 @@ from lightrft.strategy.engine_link.common import (
     is_engine,
     protocol_module,
 )
-from lightrft.strategy.engine_link.common import _is_engine_source as _is_engine_source
 from lightrft.strategy.engine_link.generation import build_multimodal_inputs
 from lightrft.strategy.engine_link.weight_sync import DEFAULT_BUCKET_BYTES, WeightSyncCalls
 
 __all__ = [
     "DEFAULT_BUCKET_BYTES",
     "EngineHost",
-    "InferenceEngineCalls",
+    "EngineLink",
     "build_multimodal_inputs",
     "is_engine",
 ]
@@ -38,40 +39,18 @@ __all__ = [
 _REQUIRED = ("generate", "sleep", "wake_up", "update_weights", "finish_weight_update", "shutdown")
 
 
-class InferenceEngineCalls(WeightSyncCalls):
-    """Mixed into :class:`~lightrft.strategy.StrategyBase`: every engine call, and the
-    engine's setup."""
+class EngineLink(WeightSyncCalls):
+    """The strategy's link to its rollout engine: setup, weight sync, generation,
+    sleep/wake. Built by the strategy (``engine_link_class(strategy)``)."""
 
-    def setup_inference_engine(
-        self,
-        engine: Any = None,
-        engine_type: str | None = None,
-        actor: nn.Module | None = None,
-        **engine_options: Any,
-    ) -> Any:
-        """Set up the rollout engine. Collective. Returns the engine.
-
-        Upstream's form, ``setup_inference_engine(args, engine_type="vllm", actor=actor)``:
-        build the engine ``args`` (an argparse namespace or config; None: this strategy's
-        config) selects with :func:`lightrft.engines.build_engine` (``engine_type`` and
-        ``engine_options`` override it; upstream's default ``engine_type="vllm"``
-        ignored ``args.engine_type``, here None reads it), send ``actor``'s weights
-        when given, and put the engine to sleep when ``enable_engine_sleep`` is set, in
-        upstream's order. Our form, ``setup_inference_engine(engine)``: use a ready
-        object implementing :class:`lightrft.engines.protocol.InferenceEngine` (one
-        per rank), as handed over (synced with ``actor`` if given, not put to sleep).
-        Either way the tensor-parallel groups of ``engine_tp_size`` consecutive ranks
-        are built."""
+    def attach(self, engine: Any, actor: nn.Module | None = None, *, built: bool = False) -> Any:
+        """Use ``engine`` (an object implementing
+        :class:`lightrft.engines.protocol.InferenceEngine`, one per rank): build the
+        tensor-parallel groups of its ``tp_size`` (else ``engine_tp_size``) consecutive
+        ranks, send ``actor``'s weights when given, and, for an engine the strategy
+        ``built``, put it to sleep when ``enable_engine_sleep`` is set (upstream's
+        order; a ready engine is left as it was handed over). Collective."""
         self._require_setup("setup_inference_engine")
-        protocol_module()
-        built = _is_engine_source(engine)
-        if built:
-            from lightrft.engines import build_engine
-
-            source = self.config if engine is None else engine
-            tp = int(getattr(source, "engine_tp_size", None) or self._sizes().engine_tp_size)
-            self._check_tp(tp)
-            engine = build_engine(source, engine_type=engine_type, **engine_options)
         missing = [name for name in _REQUIRED if not callable(getattr(engine, name, None))]
         if missing:
             raise TypeError(
@@ -97,9 +76,30 @@ class InferenceEngineCalls(WeightSyncCalls):
         self._slept_tags = frozenset()
         if actor is not None:
             self.update_engine_weights(actor)
-        if built:  # upstream's order; a ready engine is left as it was handed over
+        if built:
             self.maybe_sleep_inference_engine()
         return engine
+
+    def build(
+        self,
+        source: Any = None,
+        engine_type: str | None = None,
+        actor: nn.Module | None = None,
+        **engine_options: Any,
+    ) -> Any:
+        """Build the engine ``source`` selects (a config, namespace, mapping or
+        EngineSpec; None: this strategy's config) with :func:`lightrft.engines.build_engine`
+        (``engine_type`` and ``engine_options`` override it), then :meth:`attach` it.
+        Collective."""
+        self._require_setup("setup_inference_engine")
+        protocol_module()
+        from lightrft.engines import build_engine
+
+        source = self.config if source is None else source
+        tp = int(getattr(source, "engine_tp_size", None) or self._sizes().engine_tp_size)
+        self._check_tp(tp)
+        engine = build_engine(source, engine_type=engine_type, **engine_options)
+        return self.attach(engine, actor, built=True)
 
     def _check_tp(self, tp: int) -> int:
         """The engine tensor-parallel size this process runs with; raises when ``tp``
@@ -112,7 +112,7 @@ class InferenceEngineCalls(WeightSyncCalls):
         return tp
 
     @property
-    def engine_mp_group(self) -> Any:
+    def engine_group(self) -> Any:
         """The process group of this rank's engine tensor-parallel group (None for a
-        group of one), upstream's name."""
+        group of one); upstream's ``strategy.engine_mp_group``."""
         return self._engine_group

@@ -1,11 +1,10 @@
-"""What the engine calls share: the engine-side modules (imported on first use, with
-the error naming the extra), the capability lookups, and :class:`EngineHost`, the state
-the calls keep on the strategy and what they need from it."""
+"""What the engine link's modules share: the engine-side modules (imported on first use,
+with the error naming the extra), the capability lookups, and :class:`EngineHost`, the
+link's state and what it reads of the strategy."""
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -13,6 +12,8 @@ from torch import nn
 
 if TYPE_CHECKING:
     from lightrft.config import StrategyConfig
+    from lightrft.strategy.backend import Backend
+    from lightrft.strategy.base import StrategyBase
 
 logger = logging.getLogger("lightrft.strategy.engine_link")
 
@@ -58,43 +59,48 @@ def is_engine(model: Any) -> bool:
     return callable(getattr(model, "wake_up", None)) and callable(getattr(model, "generate", None))
 
 
-def _is_engine_source(obj: Any) -> bool:
-    """What an engine is built from (None: the strategy's config; a mapping, an argparse
-    namespace, a config or an EngineSpec, recognised by ``engine_type``/``pretrain``),
-    as opposed to an engine object, checked against the protocol."""
-    if obj is None or isinstance(obj, Mapping):
-        return True
-    if callable(getattr(obj, "generate", None)):
-        return False
-    return hasattr(obj, "engine_type") or hasattr(obj, "pretrain")
-
-
 class EngineHost:
-    """The engine calls' state on the strategy, and (for the type checker) what they
-    use of :class:`~lightrft.strategy.StrategyBase`."""
+    """The engine link's state, and what it reads of the strategy it serves (config,
+    device, ranks, the backend's parameter gathering)."""
 
-    inference_engine: Any = None
-    _engine_group: Any = None
-    _engine_group_ranks: tuple[int, ...] = (0,)
-    #: For an engine that keeps no SleepState: the wake-up tags of what the strategy
-    #: itself put to sleep (so its engine calls wake what they slept, and only that).
-    _slept_tags: frozenset[str] = frozenset()
-    _warned_no_sleep: bool = False
+    def __init__(self, strategy: StrategyBase) -> None:
+        self.strategy = strategy
+        #: The rollout engine (None until ``setup_inference_engine``).
+        self.inference_engine: Any = None
+        self._engine_group: Any = None
+        self._engine_group_ranks: tuple[int, ...] = (0,)
+        #: For an engine that keeps no SleepState: the wake-up tags of what the link
+        #: itself put to sleep (so its calls wake what they slept, and only that).
+        self._slept_tags: frozenset[str] = frozenset()
+        self._warned_no_sleep = False
 
-    if TYPE_CHECKING:  # provided by StrategyBase
-        config: StrategyConfig
-        device: torch.device
+    @property
+    def config(self) -> StrategyConfig:
+        return self.strategy.config
 
-        def get_rank(self) -> int: ...
+    @property
+    def device(self) -> torch.device:
+        return self.strategy.device
 
-        @property
-        def world_size(self) -> int: ...
+    @property
+    def backend(self) -> Backend:
+        return self.strategy.backend
 
-        def unwrap_model(self, model: nn.Module) -> nn.Module: ...
+    @property
+    def world_size(self) -> int:
+        return self.strategy.world_size
 
-        def _require_setup(self, what: str) -> None: ...
+    def get_rank(self) -> int:
+        return self.strategy.get_rank()
 
-        def _sizes(self) -> StrategyConfig: ...
+    def unwrap_model(self, model: nn.Module) -> nn.Module:
+        return self.strategy.unwrap_model(model)
+
+    def _require_setup(self, what: str) -> None:
+        self.strategy._require_setup(what)
+
+    def _sizes(self) -> StrategyConfig:
+        return self.strategy._sizes()
 
     def _require_engine(self, what: str) -> Any:
         self._require_setup(what)

@@ -19,132 +19,36 @@ if TYPE_CHECKING:
 
 
 class GenerationCalls(SleepCalls):
-    """``gather_and_generate`` (ours and upstream's forms) and ``engine_generate_local``."""
+    """:meth:`generate` (upstream's ``gather_and_generate`` converts to it) and
+    ``engine_generate_local``."""
 
-    def gather_and_generate(
+    def generate(
         self,
-        prompts: Any = None,
-        sampling: Any = None,
+        prompts: Sequence[Any],
+        sampling: Any,
         *,
-        sampling_params: Any = None,
-        all_prompt_token_ids: Sequence[Sequence[int]] | None = None,
-        all_prompts: Sequence[Any] | None = None,
-        all_images: Sequence[Any] | None = None,
-        sleep_engine: bool | None = None,
-        images_num: Sequence[int] | None = None,
-        all_videos: Sequence[Any] | None = None,
-        videos_num: Sequence[int] | None = None,
-        **more_media: Any,
+        sleep_after: bool = False,
+        refused: Exception | None = None,
     ) -> list[GenerationOutput]:
-        """Generate for this rank's prompts: the prompts of the engine's tensor-parallel
-        group are gathered, checked (an empty prompt, a token id outside the vocabulary
-        or a prompt too long for ``max_model_len`` raises on every rank before any
-        generates, naming the rank and index), generated once, and each rank gets back
-        exactly its own outputs (``n`` per prompt, in order). Ranks may hold different
-        numbers of prompts (zero too). Collective within the group.
+        """Generate for this rank's ``prompts`` (token-id lists or prompt dicts): the
+        prompts of the engine's tensor-parallel group are gathered, checked (an empty
+        prompt, a token id outside the vocabulary or a prompt too long for
+        ``max_model_len`` raises on every rank before any generates, naming the rank and
+        index), generated once, and each rank gets back exactly its own outputs (``n``
+        per prompt, in order). Ranks may hold different numbers of prompts (zero too).
+        Collective within the group.
 
-        Our form: ``gather_and_generate(prompts, sampling)``. Upstream's form:
-        ``gather_and_generate(sampling_params, all_prompt_token_ids=...)``, the sampling
-        parameters positional or as ``sampling_params=`` (or
-        ``all_prompts`` with ``all_images``/``images_num``/``all_videos``/``videos_num``
-        for multimodal engines; each prompt gets all of its items, in order; another
-        registered modality comes with its own keywords, e.g. ``all_audios`` and
-        ``audios_num``, see :mod:`lightrft.engines.multimodal`).
-
-        Both forms wake a sleeping engine first. After generating, upstream's form puts
-        it back to sleep unless ``sleep_engine=False``; ours only with
-        ``sleep_engine=True`` (either way only when ``enable_engine_sleep`` is set).
-        ``sampling`` may be :class:`lightrft.engines.SamplingParams` or the engine's own:
-        vLLM's ``SamplingParams`` pass through to vLLM unchanged; a dict (SGLang's, as
-        upstream builds it) has its known keys mapped to ours and engine-specific ones
-        handed to the engine (:func:`lightrft.engines.protocol.as_sampling_params`; a key
-        no engine knows raises ``SamplingError`` naming it).
-
-        Upstream's multimodal prompts are built by :meth:`_build_multimodal_inputs`
-        (upstream's hook, called with its keywords; an override, such as upstream's
-        audio example's, replaces it)."""
-        if sampling_params is not None:
-            given = all_prompt_token_ids is not None or all_prompts is not None
-            ours = prompts is not None and not given and _looks_like_prompts(prompts)
-            if sampling is not None or (prompts is not None and not ours):
-                raise TypeError(
-                    "gather_and_generate got sampling parameters twice (sampling_params= and "
-                    "a positional argument); call gather_and_generate(sampling_params=..., "
-                    "all_prompt_token_ids=[...]) or gather_and_generate(prompts, sampling)"
-                )
-            if prompts is not None:  # our form, sampling by upstream's keyword
-                sampling = sampling_params
-            else:  # upstream's form: sampling_params fills its first positional slot
-                prompts = sampling_params
-                if not given:
-                    all_prompt_token_ids = []  # no prompts: nothing to generate
-        upstream = (
-            all_prompt_token_ids is not None
-            or all_prompts is not None
-            or (prompts is not None and not _looks_like_prompts(prompts))
-        )
-        if not upstream:
-            self._wake(None, blind=False)
-            try:
-                return self._gather_generate(prompts or [], sampling)
-            finally:  # a refused prompt too: the trainer gets the memory back
-                if sleep_engine:
-                    self.maybe_sleep_inference_engine()
-        sampling_params = prompts
-        if all_prompt_token_ids is None and all_prompts is None and sampling is not None:
-            all_prompt_token_ids = sampling  # upstream's second positional argument
-        if all_prompt_token_ids is None and all_prompts is None:
-            raise TypeError(
-                "gather_and_generate got no prompts: pass gather_and_generate(prompts, "
-                "sampling) with a list of token-id lists, or upstream's "
-                "gather_and_generate(sampling_params, all_prompt_token_ids=[...])"
-            )
-        more = _more_media(more_media)
-        multimodal = any(x is not None for x in (all_images or ())) or any(
-            x is not None for x in (all_videos or ())
-        )
-        multimodal = multimodal or any(items is not None for items, _ in more.values())
-        refused: Exception | None = None  # raised on every rank of the group, below
-        if multimodal:
-            from lightrft.engines.multimodal import MediaError
-
-            try:
-                inputs: list[Any] = self._build_multimodal_inputs(
-                    all_prompts=(
-                        all_prompts if all_prompts is not None else list(all_prompt_token_ids or [])
-                    ),
-                    all_images=all_images, images_num=images_num,
-                    all_videos=all_videos, videos_num=videos_num, **more,
-                )  # fmt: skip
-            except MediaError as exc:
-                inputs, refused = [], exc
-        elif all_prompt_token_ids is not None:
-            inputs = list(all_prompt_token_ids)
-        else:
-            inputs = [{"prompt": text} for text in all_prompts or []]
+        A sleeping engine is woken first; with ``sleep_after`` it is put back to sleep
+        afterwards (when ``enable_engine_sleep`` is set), also when a prompt was refused.
+        ``refused``: this rank's inputs could not be built; every rank of the group
+        raises it (named with the rank), none generates."""
         if refused is None:
-            self.wakeup_inference_engine()
+            self._wake(None, blind=False)
         try:
-            return self._gather_generate(inputs, sampling_params, refused=refused)
-        finally:
-            if sleep_engine is not False:
+            return self._gather_generate(list(prompts), sampling, refused=refused)
+        finally:  # a refused prompt too: the trainer gets the memory back
+            if sleep_after:
                 self.maybe_sleep_inference_engine()
-
-    def _build_multimodal_inputs(
-        self,
-        all_prompts: Sequence[Any],
-        all_images: Sequence[Any] | None = None,
-        images_num: Sequence[int] | None = None,
-        all_videos: Sequence[Any] | None = None,
-        videos_num: Sequence[int] | None = None,
-        **more: tuple[Sequence[Any] | None, Sequence[int] | None],
-    ) -> list[dict[str, Any]]:
-        """Upstream's hook: the engine inputs of upstream's multimodal form (see
-        :func:`build_multimodal_inputs`). Override it (on the class or the instance, as
-        upstream's audio example does) to build other inputs."""
-        return build_multimodal_inputs(
-            all_prompts, all_images, images_num, all_videos, videos_num, **more
-        )
 
     def engine_generate_local(
         self,
@@ -193,7 +97,7 @@ class GenerationCalls(SleepCalls):
     ) -> list[GenerationOutput]:
         """``refused``: this rank's inputs could not be built; every rank of the group
         raises it (named with the rank), none generates."""
-        engine = self._require_engine("gather_and_generate")
+        engine = self._require_engine("generate")
         group_ranks = self._engine_group_ranks
         if len(group_ranks) == 1:
             if refused is not None:
@@ -230,38 +134,6 @@ class GenerationCalls(SleepCalls):
         index = group_ranks.index(self.get_rank())
         start = sum(len(chunk) for chunk in per_rank[:index]) * n
         return outputs[start : start + len(per_rank[index]) * n]
-
-
-def _more_media(kwargs: Mapping[str, Any]) -> dict[str, tuple[Any, Any]]:
-    """Keywords of registered modalities other than image and video -> {name: (items,
-    counts)}; an unknown keyword is a TypeError naming the ones accepted."""
-    if not kwargs:
-        return {}
-    from lightrft.engines.multimodal import MODALITIES
-
-    extra = {m.name: m for m in MODALITIES.values() if m.name not in ("image", "video")}
-    accepted = {arg for m in extra.values() for arg in (m.items_arg, m.counts_arg)}
-    unknown = sorted(set(kwargs) - accepted)
-    if unknown:
-        raise TypeError(
-            f"gather_and_generate got unexpected keyword(s) {unknown}; other modalities' "
-            f"keywords: {sorted(accepted) or 'none registered'} "
-            "(lightrft.engines.multimodal.register_modality)"
-        )
-    return {
-        name: (kwargs.get(m.items_arg), kwargs.get(m.counts_arg))
-        for name, m in extra.items()
-        if m.items_arg in kwargs or m.counts_arg in kwargs
-    }
-
-
-def _looks_like_prompts(obj: Any) -> bool:
-    """A list of prompts (token-id lists or prompt dicts), not sampling parameters."""
-    if isinstance(obj, (str, bytes, Mapping)) or not isinstance(obj, Sequence):
-        return False
-    return all(
-        isinstance(p, Mapping) or (isinstance(p, Sequence) and not isinstance(p, str)) for p in obj
-    )
 
 
 def build_multimodal_inputs(

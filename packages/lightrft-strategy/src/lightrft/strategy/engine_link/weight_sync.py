@@ -71,16 +71,8 @@ class SyncTensors:
 
 
 class WeightSyncCalls(GenerationCalls):
-    """``update_engine_weights`` and ``verify_engine_weights``, and the backend hook
-    ``iter_full_parameters`` they gather through."""
-
-    def iter_full_parameters(self, model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-        """Backend hook: ``(name, full tensor)`` per parameter, in the same order on
-        every rank (collective for sharded parameters). Each tensor stays valid while the
-        model is not stepped (a gathered copy, or the parameter itself): a weight sync
-        sends them without copying again."""
-        for name, param in self.unwrap_model(model).named_parameters():
-            yield name, param.detach()
+    """``update_engine_weights`` and ``verify_engine_weights``; full weights are gathered
+    through the backend's ``iter_full_parameters``."""
 
     def update_engine_weights(
         self,
@@ -147,7 +139,7 @@ class WeightSyncCalls(GenerationCalls):
         counts = {"tensors": 0, "bytes": 0}
 
         def full_tensors() -> Iterator[tuple[str, torch.Tensor]]:
-            for name, tensor in self.iter_full_parameters(model):
+            for name, tensor in self.backend.iter_full_parameters(model):
                 target = name_map(name) if name_map is not None else name
                 if target is None:
                     continue
@@ -252,7 +244,7 @@ class WeightSyncCalls(GenerationCalls):
         params = protocol.SamplingParams(
             max_new_tokens=max_new_tokens, temperature=0.0, logprobs=True
         )
-        out = self.gather_and_generate([ids], params)[0]
+        out = self.generate([ids], params)[0]
         if out.logprobs is None:
             raise protocol.EngineError(
                 f"{type(engine).__name__} returned no logprobs, so its weights cannot be "
