@@ -39,7 +39,6 @@ from lightrft.strategy.checkpoint.subject import CheckpointSubject, Ranks
 from lightrft.strategy.construction import (
     BASE_PARAMETERS,
     NotSetUpError,
-    ReadyOnConstruction,
     config_from_constructor,
 )
 from lightrft.strategy.data import ResumableDataLoader, build_dataloader
@@ -54,7 +53,7 @@ _print_logger = logging.getLogger("lightrft.strategy.print")
 __all__ = ["StrategyBase", "Triple"]
 
 
-class StrategyBase(UpstreamAttributes, UpstreamEngineCalls, metaclass=ReadyOnConstruction):
+class StrategyBase(UpstreamAttributes, UpstreamEngineCalls):
     """A distributed training strategy. Build one with :func:`lightrft.strategy.get_strategy`.
 
     The constructor returns a strategy that has joined the job, as upstream's does: it
@@ -113,6 +112,8 @@ class StrategyBase(UpstreamAttributes, UpstreamEngineCalls, metaclass=ReadyOnCon
         self.backend: Backend = self.backend_class(self)
         #: The rollout engine's link: setup, weight sync, generation, sleep/wake.
         self.engine_link: EngineLink = self.engine_link_class(self)
+        if not defer_setup:
+            self.setup_distributed()
 
     @property
     def world_size(self) -> int:

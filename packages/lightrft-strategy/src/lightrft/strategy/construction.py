@@ -4,16 +4,14 @@ is ready when the constructor returns.
 Upstream LightRFT's ``StrategyBase.__init__`` calls ``setup_distributed()`` itself, so
 ``get_strategy(args)`` (and ``DeepspeedStrategy(...)``, ``FSDPV2Strategy(...)``,
 ``FakeStrategy(...)``) give a strategy that has joined the launched job. Ours does the
-same, one step later: :class:`ReadyOnConstruction` runs ``setup_distributed()`` after
-the most-derived ``__init__`` has finished, so a backend's own attributes exist before
-its setup hooks run. ``defer_setup=True`` skips it; the caller then calls
-``setup_distributed()`` before anything that depends on the world.
+same, at the end of ``StrategyBase.__init__``, once its backend and engine link exist.
+``defer_setup=True`` skips it; the caller then calls ``setup_distributed()`` before
+anything that depends on the world.
 """
 
 from __future__ import annotations
 
 import numbers
-from abc import ABCMeta
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -31,18 +29,6 @@ BASE_PARAMETERS: tuple[str, ...] = (
 
 class NotSetUpError(RuntimeError):
     """A strategy built with ``defer_setup=True`` was used before ``setup_distributed()``."""
-
-
-class ReadyOnConstruction(ABCMeta):
-    """Metaclass of :class:`~lightrft.strategy.StrategyBase`: calls
-    ``setup_distributed()`` on the new instance unless it was built with
-    ``defer_setup=True``."""
-
-    def __call__(cls, *args: Any, **kwargs: Any) -> Any:
-        instance = super().__call__(*args, **kwargs)
-        if not getattr(instance, "defer_setup", False):
-            instance.setup_distributed()
-        return instance
 
 
 def _is_number(value: Any) -> bool:
