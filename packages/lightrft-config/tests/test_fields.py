@@ -73,6 +73,14 @@ NEW_FIELDS: dict[str, object] = {
     "deepspeed_config": None,
 }
 
+#: Upstream's example scripts' argparse names (not in its config.py), same defaults.
+UPSTREAM_SCRIPT_FIELDS: dict[str, object] = {
+    "lora_rank": 0,
+    "lora_alpha": 16,
+    "lora_dropout": 0.0,
+    "target_modules": ["all-linear"],  # upstream's string "all-linear": a list of one
+}
+
 
 @pytest.mark.parametrize(("name", "default"), sorted(UPSTREAM_DEFAULTS.items()))
 def test_upstream_field_keeps_name_and_default(name: str, default: object) -> None:
@@ -82,8 +90,10 @@ def test_upstream_field_keeps_name_and_default(name: str, default: object) -> No
 
 
 def test_every_field_is_upstream_or_documented_new() -> None:
-    assert set(StrategyConfig.model_fields) == set(UPSTREAM_DEFAULTS) | set(NEW_FIELDS)
-    for name, default in NEW_FIELDS.items():
+    assert set(StrategyConfig.model_fields) == (
+        set(UPSTREAM_DEFAULTS) | set(NEW_FIELDS) | set(UPSTREAM_SCRIPT_FIELDS)
+    )
+    for name, default in {**NEW_FIELDS, **UPSTREAM_SCRIPT_FIELDS}.items():
         assert getattr(StrategyConfig(), name) == default
 
 
@@ -96,6 +106,14 @@ def test_every_field_has_a_description(name: str) -> None:
 
 def test_ckpt_mem_states_its_unit() -> None:
     assert "GiB" in (StrategyConfig.model_fields["max_ckpt_mem"].description or "")
+
+
+def test_target_modules_take_upstreams_string_or_a_list() -> None:
+    assert StrategyConfig(target_modules="all-linear").target_modules == ["all-linear"]
+    assert StrategyConfig(target_modules=["q_proj", "v_proj"]).target_modules == [
+        "q_proj",
+        "v_proj",
+    ]
 
 
 def test_list_betas_become_a_tuple() -> None:

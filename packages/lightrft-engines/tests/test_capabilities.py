@@ -15,19 +15,21 @@ from lightrft.engines.base import EngineBase
 
 ALL = {
     caps.PromptLimits, caps.WeightShapes, caps.WeightStreaming, caps.WeightVersion,
-    caps.TensorParallel, caps.KeepsSleepState, caps.ComputeDtype,
+    caps.TensorParallel, caps.KeepsSleepState, caps.ComputeDtype, caps.PartialWeightSync,
 }  # fmt: skip
 DECLARED = {
     "lightrft.engines.hf:HFEngine": {
         caps.PromptLimits, caps.WeightShapes, caps.WeightVersion, caps.KeepsSleepState,
+        caps.PartialWeightSync,
     },
-    "lightrft.engines.vllm:VLLMEngine": ALL,
+    "lightrft.engines.vllm:VLLMEngine": ALL - {caps.PartialWeightSync},
     "lightrft.engines.sglang:SGLangEngine": {
         caps.PromptLimits, caps.WeightVersion, caps.TensorParallel, caps.KeepsSleepState,
         caps.ComputeDtype,
     },
     "lightrft.testing.fake_engine:FakeEngine": {
         caps.PromptLimits, caps.WeightShapes, caps.KeepsSleepState, caps.WeightVersion,
+        caps.PartialWeightSync,
     },
 }  # fmt: skip
 
@@ -39,7 +41,7 @@ def test_each_adapter_declares_what_it_offers(where: str) -> None:
     assert {c for c in ALL if c in cls.__mro__} == DECLARED[where]
     # a declared capability's methods are the adapter's own, not the protocol's stubs
     for capability in DECLARED[where]:
-        for member in ("weight_shapes", "update_weights_stream"):
+        for member in ("weight_shapes", "update_weights_stream", "finish_partial_weight_update"):
             if hasattr(capability, member):
                 assert getattr(cls, member) is not getattr(capability, member), (name, member)
 
@@ -60,6 +62,7 @@ def test_an_engine_passes_by_having_the_members() -> None:
     assert not isinstance(engine, caps.WeightStreaming)
     assert not isinstance(engine, caps.TensorParallel)
     assert not isinstance(engine, caps.KeepsSleepState)
+    assert not isinstance(engine, caps.PartialWeightSync)
 
 
 def test_a_fake_engine_streams_only_when_asked() -> None:

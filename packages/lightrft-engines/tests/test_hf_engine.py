@@ -112,6 +112,32 @@ def test_update_weights_changes_generation_and_a_bad_sync_keeps_the_old(
     assert after != before and {o.weight_version for o in after} == {1}
 
 
+def test_a_partial_sync_loads_what_it_sends_and_keeps_the_rest(tiny_model_dir: Path) -> None:
+    """finish_partial_weight_update (a LoRA model's changed layers after a full sync):
+    the sent tensors load, every other weight stays; names and shapes still checked."""
+    engine = _engine(tiny_model_dir)
+    params = SamplingParams(max_new_tokens=8, temperature=0)
+    trained = _engine(tiny_model_dir).model
+    with torch.no_grad():
+        for name, p in trained.named_parameters():
+            if "q_proj.weight" in name:
+                p.add_(torch.randn_like(p) * 0.2)
+    named = [(n, p) for n, p in trained.named_parameters() if "q_proj.weight" in n]
+    before = {n: p.detach().clone() for n, p in engine.model.named_parameters()}
+    engine.update_weights(named)
+    engine.finish_partial_weight_update()
+    for name, value in engine.model.named_parameters():
+        want = dict(named).get(name, before[name])
+        assert torch.equal(value, want), name
+    out = engine.generate(PROMPTS, params)
+    assert [o.output_token_ids for o in out] == greedy_reference(trained, PROMPTS, 8)
+    with pytest.raises(WeightMismatchError) as info:  # a full sync still needs every weight
+        _sync(engine, named)
+    assert info.value.missing
+    with pytest.raises(WeightMismatchError):
+        engine.update_weights([("model.extra.weight", torch.zeros(2))])
+
+
 def test_sleep_level_2_refuses_generation_until_the_next_sync(tiny_model_dir: Path) -> None:
     engine = _engine(tiny_model_dir)
     engine.sleep(2)

@@ -1,4 +1,4 @@
-# size: one pydantic model: its 60 fields (upstream's names where its config.py has them, 43
+# size: one pydantic model: its 64 fields (upstream's names where its config.py has them, 43
 #   at 49e62cb), their descriptions and the validators that join them, read together
 """`StrategyConfig`: the settings of a LightRFT training strategy, typed and checked.
 
@@ -17,7 +17,7 @@ Which fields are read, and where (modules of ``lightrft.strategy`` unless named)
   train_batch_size, bf16, zpg, grad_accum_dtype, overlap_comm and engine_type as
   upstream's read-only strategy attributes.
 * ``optim``: lr_scheduler, lr_warmup_ratio, min_lr_ratio.
-* ``rollout``: engine_tp_size, ``sleep_level``, verify_engine_sync,
+* ``engine_link``: engine_tp_size, ``sleep_level``, verify_engine_sync,
   ``resolved_precision`` (the tolerance of ``verify_engine_weights``); it builds the
   engine with lightrft-engines' ``build_engine``, which reads engine_type,
   engine_tp_size, engine_mem_util, engine_max_model_len, precision/bf16, seed, device,
@@ -25,7 +25,8 @@ Which fields are read, and where (modules of ``lightrft.strategy`` unless named)
   ``generate_max_len`` and ``engine_options``.
 * ``base`` with ``sequence_parallel`` and ``ulysses``: sp_size (the groups, the
   sequence split, the data-parallel sampler).
-* ``checkpoint.manager``: max_ckpt_num, max_ckpt_mem.
+* ``base`` (``save_ckpt``, for the checkpoint manager): max_ckpt_num, max_ckpt_mem.
+* ``lora`` (``apply_lora``): lora_rank, lora_alpha, lora_dropout, target_modules.
 * ``deepspeed`` (``strategy``, ``ds_config``): zero_stage, precision/bf16, max_norm,
   micro_train_batch_size, train_batch_size, sp_size, zpg, overlap_comm,
   grad_accum_dtype, adam_offload, deepspeed_config.
@@ -224,6 +225,19 @@ class StrategyConfig(BaseModel):
         0.03, ge=0, le=1, description="Fraction of steps spent warming up the learning rate."
     )
 
+    # -- LoRA (upstream's example scripts' argparse names and defaults) ---------------
+    lora_rank: Int = Field(
+        0, ge=0, description="LoRA rank of the actor's adapter (0: train every weight)."
+    )
+    lora_alpha: Int = Field(
+        16, gt=0, description="LoRA alpha: the adapter is scaled by alpha/rank."
+    )
+    lora_dropout: Float = Field(0.0, ge=0, lt=1, description="Dropout on the LoRA adapter's input.")
+    target_modules: list[str] = Field(
+        ["all-linear"],
+        description="Modules that get a LoRA adapter: names (peft's matching) or all-linear.",
+    )
+
     # -- control -------------------------------------------------------------------
     critic_pretrain: FlagOrPath = Field(
         False, description="Critic initialisation: a flag or, as upstream, a model path."
@@ -398,6 +412,13 @@ class StrategyConfig(BaseModel):
                 {"choices": ", ".join(known_backend_names())},
             )
         return name
+
+    @field_validator("target_modules", mode="before")
+    @classmethod
+    def _one_target_module(cls, value: Any) -> Any:
+        """Upstream's argparse default is the string ``"all-linear"`` (``nargs="*"``
+        gives a list when the flag is used): a string is a list of one name."""
+        return [value] if isinstance(value, str) else value
 
     @field_validator("engine_type")
     @classmethod

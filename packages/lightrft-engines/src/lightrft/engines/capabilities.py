@@ -17,6 +17,8 @@ capability                what the strategy does with it
 :class:`WeightVersion`    reports ``weight_version`` in the sync's stats
 :class:`TensorParallel`   groups ``tp_size`` consecutive ranks around the engine
 :class:`KeepsSleepState`  wakes only what the engine's :class:`SleepState` says sleeps
+:class:`PartialWeightSync` after a full sync of a LoRA model, takes only the layers
+                          the adapter changes (``finish_partial_weight_update``)
 :class:`ComputeDtype`     picks the tolerance of ``verify_engine_weights`` (1e-3 only
                           when both sides compute in fp32; an engine without it: fp32)
 ========================  =============================================================
@@ -35,6 +37,7 @@ if TYPE_CHECKING:
 __all__ = [
     "ComputeDtype",
     "KeepsSleepState",
+    "PartialWeightSync",
     "PromptLimits",
     "TensorParallel",
     "WeightShapes",
@@ -87,6 +90,13 @@ class TensorParallel(Protocol):
 class ComputeDtype(Protocol):
     #: The dtype the engine computes in (``"float32"``, ``"bfloat16"`` or a torch dtype).
     dtype: str | torch.dtype
+
+
+@runtime_checkable
+class PartialWeightSync(Protocol):
+    def finish_partial_weight_update(self) -> None:
+        """End a sync that sent some of the weights: those are loaded, the others kept
+        (``finish_weight_update`` refuses a sync that misses a weight)."""
 
 
 @runtime_checkable

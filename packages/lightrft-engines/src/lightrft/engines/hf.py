@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from lightrft.engines.base import EngineBase
-from lightrft.engines.capabilities import PromptLimits, WeightShapes
+from lightrft.engines.capabilities import PartialWeightSync, PromptLimits, WeightShapes
 from lightrft.engines.multimodal import prompt_media
 from lightrft.engines.protocol import (
     EngineError,
@@ -63,7 +63,7 @@ def _transformers() -> Any:
     return transformers
 
 
-class HFEngine(EngineBase, PromptLimits, WeightShapes):
+class HFEngine(EngineBase, PromptLimits, WeightShapes, PartialWeightSync):
     """A causal LM from transformers as an inference engine.
 
     Args:
@@ -282,9 +282,17 @@ class HFEngine(EngineBase, PromptLimits, WeightShapes):
             self._staged[name] = tensor.detach().to(param.device, param.dtype, copy=True)
 
     def finish_weight_update(self) -> None:
+        self._finish(complete=True)
+
+    def finish_partial_weight_update(self) -> None:
+        self._finish(complete=False)
+
+    def _finish(self, complete: bool) -> None:
         self._check_open()
         staged, self._staged = self._staged, {}
-        check_weight_shapes(self.weight_shapes(), {n: tuple(t.shape) for n, t in staged.items()})
+        check_weight_shapes(
+            self.weight_shapes(), {n: tuple(t.shape) for n, t in staged.items()}, complete=complete
+        )
         with torch.no_grad():
             for name, tensor in staged.items():
                 self._params[name].copy_(tensor)

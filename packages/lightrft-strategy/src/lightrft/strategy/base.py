@@ -32,7 +32,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lightrft.config import StrategyConfig
-from lightrft.strategy import collectives, distributed, sequence_parallel, ulysses
+from lightrft.strategy import collectives, distributed, lora, sequence_parallel, ulysses
 from lightrft.strategy.actor import is_actor, training_module
 from lightrft.strategy.backend import Backend, Triple
 from lightrft.strategy.checkpoint.subject import CheckpointSubject, Ranks
@@ -616,20 +616,29 @@ class StrategyBase(UpstreamAttributes, UpstreamEngineCalls):
         return self.backend.full_state_dict(training_module(model))
 
     def save_model(
-        self, model: nn.Module, tokenizer: Any, output_dir: str | Path, **kwargs: Any
+        self,
+        model: nn.Module,
+        tokenizer: Any,
+        output_dir: str | Path,
+        merge_lora: bool = False,
+        **kwargs: Any,
     ) -> None:
         """Write ``model`` in Hugging Face format (``*.safetensors``, config.json,
-        tokenizer files) to ``output_dir`` on rank 0. Collective."""
+        tokenizer files) to ``output_dir`` on rank 0. Collective. A peft LoRA model is
+        written as its adapter in peft's format (as upstream's DeepSpeed backend saves
+        it), or with ``merge_lora`` as the merged model in Hugging Face format."""
         self._require_setup("save_model")
         from lightrft.strategy.hf_export import write_hf_checkpoint
 
         model = training_module(model)  # upstream's actor: its Hugging Face model
 
         state = self.backend.full_state_dict(model)
+        module = self.unwrap_model(model)
         if self.is_rank_0():
-            write_hf_checkpoint(
-                state, self.unwrap_model(model), Path(output_dir), tokenizer, **kwargs
-            )
+            if lora.is_lora_model(module):
+                lora.write_lora_model(module, state, Path(output_dir), tokenizer, merge=merge_lora)
+            else:
+                write_hf_checkpoint(state, module, Path(output_dir), tokenizer, **kwargs)
         self.barrier()
 
     def load_model(

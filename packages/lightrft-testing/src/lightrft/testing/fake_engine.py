@@ -43,7 +43,7 @@ import torch
 from torch import nn
 
 from lightrft.engines.base import EngineBase
-from lightrft.engines.capabilities import PromptLimits, WeightShapes
+from lightrft.engines.capabilities import PartialWeightSync, PromptLimits, WeightShapes
 from lightrft.engines.protocol import (
     EngineError,
     GenerationOutput,
@@ -88,7 +88,7 @@ def weights_digest(weights: Mapping[str, WeightRecord]) -> str:
     return digest.hexdigest()
 
 
-class FakeEngine(EngineBase, PromptLimits, WeightShapes):
+class FakeEngine(EngineBase, PromptLimits, WeightShapes, PartialWeightSync):
     """An in-process engine: generations a deterministic function of the prompt, the
     sampling parameters and the weights received (the module's output rule), sleep/wake
     levels enforced, weight syncs recorded.
@@ -282,8 +282,16 @@ class FakeEngine(EngineBase, PromptLimits, WeightShapes):
         self._pending, self._pending_buckets, self._pending_tensors = {}, [], {}
 
     def finish_weight_update(self) -> None:
+        self._finish(complete=True)
+
+    def finish_partial_weight_update(self) -> None:
+        """A sync of some weights (a LoRA model's changed layers): those are taken, the
+        rest kept."""
+        self._finish(complete=False)
+
+    def _finish(self, complete: bool) -> None:
         self._check_open()
-        if self.expected_weights is not None:
+        if self.expected_weights is not None and complete:
             missing = sorted(self.expected_weights - set(self._pending))
             if missing:
                 self._abandon()

@@ -29,6 +29,7 @@ from lightrft.strategy.actor import training_module
 from lightrft.strategy.backend import Backend, Triple
 from lightrft.strategy.checkpoint.layout import METADATA_FILE, CheckpointError
 from lightrft.strategy.deepspeed import ds_config, safe_checkpoint
+from lightrft.strategy.lora import lora_init_on_full_tensors
 from lightrft.strategy.optim import build_adamw
 from lightrft.strategy.precision import compute_dtype
 from lightrft.strategy.stepping import clip_and_check, record_skip
@@ -296,7 +297,8 @@ class DeepSpeedBackend(Backend):
             # signature when first imported (transformers imports it lazily while
             # building a model), so import it before the patch.
             importlib.import_module("torch._dynamo")
-            with deepspeed.zero.Init(config_dict_or_path=train_config):
+            # peft's LoRA start (lora_B zero) runs on gathered tensors, not empty shards
+            with deepspeed.zero.Init(config_dict_or_path=train_config), lora_init_on_full_tensors():
                 yield
         elif meta_init and self.strategy.world_size > 1 and not self.strategy.is_rank_0():
             with torch.device("meta"):

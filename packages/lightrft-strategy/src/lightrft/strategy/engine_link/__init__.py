@@ -14,6 +14,7 @@ one as ``strategy.engine_link``, and upstream's names on the strategy
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch.distributed as dist
@@ -74,6 +75,7 @@ class EngineLink(WeightSyncCalls):
         self.inference_engine = engine
         self._warned_no_sleep = False
         self._slept_tags = frozenset()
+        self._synced_in_full = weakref.WeakSet()
         if actor is not None:
             self.update_engine_weights(actor)
         if built:

@@ -5,6 +5,7 @@ link's state and what it reads of the strategy."""
 from __future__ import annotations
 
 import logging
+import weakref
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -73,6 +74,9 @@ class EngineHost:
         #: itself put to sleep (so its calls wake what they slept, and only that).
         self._slept_tags: frozenset[str] = frozenset()
         self._warned_no_sleep = False
+        #: LoRA models whose merged weights reached this engine in full once: later
+        #: syncs send only what the adapter can change.
+        self._synced_in_full: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 
     @property
     def config(self) -> StrategyConfig:

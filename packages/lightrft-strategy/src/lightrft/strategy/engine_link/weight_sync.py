@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightrft.strategy import lora
 from lightrft.strategy.actor import training_module
 from lightrft.strategy.engine_link.common import (
     capabilities_module,
@@ -97,6 +98,13 @@ class WeightSyncCalls(GenerationCalls):
         keeps its weights. ``verify`` (default: the config's ``verify_engine_sync``)
         then checks the engine against the trainer with :meth:`verify_engine_weights`.
 
+        A peft LoRA model sends merged weights (``W + scaling * B @ A``) under the base
+        model's names, as :class:`lightrft.strategy.lora.MergedWeights` makes them, so
+        any engine serving the base model takes them; after the first such sync to an
+        engine that takes partial syncs (``PartialWeightSync``: the Hugging Face engine,
+        the fake), only the LoRA layers' weights (and other trainable tensors) are sent.
+        ``lora`` in the result says which (``"merged"``, ``"merged_delta"``).
+
         Returns ``tensors``, ``buckets`` (the engine calls that carried tensors: 1 for a
         stream), ``bytes``, ``gather_s`` (gathering full tensors), ``load_s`` (inside
         the engine's ``update_weights`` and ``finish_weight_update``, or its stream call
@@ -114,9 +122,23 @@ class WeightSyncCalls(GenerationCalls):
         model = training_module(model)  # upstream's actor: its Hugging Face model's names
         if bucket_bytes < 1:
             raise ValueError(f"bucket_bytes={bucket_bytes} must be >= 1")
+        module = self.unwrap_model(model)
+        offered = capabilities_module()
+        # a LoRA model: the engine serves the base model, so it gets the merged weights
+        # under the base names; after a full sync, only what the adapter can change (to an
+        # engine that takes a partial sync)
+        partial = module in self._synced_in_full and isinstance(engine, offered.PartialWeightSync)
+        merge = (
+            lora.MergedWeights(module, only_touched=partial) if lora.is_lora_model(module) else None
+        )
+        names = (
+            merge.shapes().items()
+            if merge is not None
+            else ((n, _full_shape(p)) for n, p in module.named_parameters())
+        )
         sent: dict[str, tuple[int, ...]] = {}
         source: dict[str, str] = {}
-        for name, param in self.unwrap_model(model).named_parameters():
+        for name, shape in names:
             target = name_map(name) if name_map is not None else name
             if target is None:
                 continue
@@ -126,12 +148,13 @@ class WeightSyncCalls(GenerationCalls):
                     "engine name must come from one parameter (map one of them to None to "
                     "drop it)"
                 )
-            source[target], sent[target] = name, _full_shape(param)
-        offered = capabilities_module()
+            source[target], sent[target] = name, shape
         # None: the engine cannot tell
         expected = engine.weight_shapes() if isinstance(engine, offered.WeightShapes) else None
         if expected is not None:
-            protocol_module().check_weight_shapes(expected, sent)
+            protocol_module().check_weight_shapes(
+                expected, sent, complete=merge is None or not merge.only_touched
+            )
         # a sleeping engine is woken, as upstream's update_engine_weights wakes it before
         # broadcasting (whole, with one wake_up()); here in the order a level-2 sleep
         # needs: the weights, the sync, then the KV cache
@@ -139,7 +162,8 @@ class WeightSyncCalls(GenerationCalls):
         counts = {"tensors": 0, "bytes": 0}
 
         def full_tensors() -> Iterator[tuple[str, torch.Tensor]]:
-            for name, tensor in self.backend.iter_full_parameters(model):
+            stream = self.backend.iter_full_parameters(model)
+            for name, tensor in merge(stream) if merge is not None else stream:
                 target = name_map(name) if name_map is not None else name
                 if target is None:
                     continue
@@ -156,7 +180,10 @@ class WeightSyncCalls(GenerationCalls):
             load_s = self._stream_weights(engine, stream, SyncTensors(full_tensors()))
             buckets = 1 if counts["tensors"] else 0
         else:
-            buckets, load_s = self._send_buckets(engine, SyncTensors(full_tensors()), bucket_bytes)
+            finish = engine.finish_partial_weight_update if partial else engine.finish_weight_update
+            buckets, load_s = self._send_buckets(
+                engine, SyncTensors(full_tensors()), bucket_bytes, finish
+            )
         self._wake(["kv_cache"], blind=False)
         stats: dict[str, Any] = {
             "tensors": counts["tensors"],
@@ -166,14 +193,20 @@ class WeightSyncCalls(GenerationCalls):
             "load_s": load_s,
             "weight_version": weight_version(engine),
         }
+        if merge is not None:
+            stats["lora"] = "merged_delta" if merge.only_touched else "merged"
+            self._synced_in_full.add(module)
         if self.config.verify_engine_sync if verify is None else verify:
             stats.update(self.verify_engine_weights(model))
         return stats
 
     @staticmethod
-    def _send_buckets(engine: Any, tensors: SyncTensors, bucket_bytes: int) -> tuple[int, float]:
+    def _send_buckets(
+        engine: Any, tensors: SyncTensors, bucket_bytes: int, finish: Callable[[], None]
+    ) -> tuple[int, float]:
         """``engine.update_weights`` per bucket of at most ``bucket_bytes`` (a larger
-        tensor alone), then ``finish_weight_update``: (buckets, seconds in the engine)."""
+        tensor alone), then ``finish`` (``finish_weight_update``, or the partial one):
+        (buckets, seconds in the engine)."""
         load_s = 0.0
         buckets = size = 0
         bucket: list[tuple[str, torch.Tensor]] = []
@@ -196,7 +229,7 @@ class WeightSyncCalls(GenerationCalls):
         if bucket:
             send()
         t0 = time.perf_counter()
-        engine.finish_weight_update()
+        finish()
         return buckets, load_s + time.perf_counter() - t0
 
     @staticmethod

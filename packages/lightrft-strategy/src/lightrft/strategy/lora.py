@@ -1,0 +1,320 @@
+"""LoRA actors (peft, extra ``lora``): the adapter from the configuration, its start under
+ZeRO-3, and the merged weights an engine receives.
+
+* :func:`apply_lora` puts a peft LoRA adapter on a model from ``lora_rank``,
+  ``lora_alpha``, ``lora_dropout`` and ``target_modules`` (upstream's names); target
+  modules that match nothing raise naming the model's linear modules.
+* :func:`lora_init_on_full_tensors` is entered by the DeepSpeed backend's ZeRO-3
+  ``init_model_context``: inside ``deepspeed.zero.Init`` a LoRA layer's parameters are
+  partitioned as soon as they are built, so peft's own start (``lora_B`` zero) would
+  write into empty shards and the adapter would start from ``nn.Linear``'s random
+  values; here peft's ``reset_lora_parameters`` runs on the gathered tensors (rank 0's
+  values, as ZeRO-3 initialises every parameter).
+* :class:`MergedWeights` turns the training model's ``(peft name, full tensor)`` stream
+  into what an engine serving the base model loads: ``W + scaling * B @ A`` under the
+  base model's Hugging Face names, LoRA tensors dropped; with ``only_touched`` only the
+  layers the adapter changes (and other trainable tensors) are sent.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+if TYPE_CHECKING:
+    from lightrft.config import StrategyConfig
+
+__all__ = [
+    "LoraError",
+    "MergedWeights",
+    "apply_lora",
+    "base_name",
+    "is_lora_model",
+    "lora_init_on_full_tensors",
+    "write_lora_model",
+]
+
+#: What peft's PeftModel puts before the base model's own names.
+PEFT_PREFIX = "base_model.model."
+_LORA_PART = re.compile(r"\.lora_(A|B|embedding_A|embedding_B|magnitude_vector)(\.|$)")
+
+
+class LoraError(ValueError):
+    """A LoRA setting or adapter that cannot be used; the message names the fix."""
+
+
+def peft_module() -> Any:
+    """:mod:`peft`, or an ImportError naming the extra."""
+    try:
+        import peft
+    except ImportError as exc:
+        raise ImportError(
+            "LoRA needs peft; install it with: pip install 'lightrft-strategy[lora]'"
+        ) from exc
+    return peft
+
+
+def apply_lora(
+    model: nn.Module,
+    config: StrategyConfig | None = None,
+    *,
+    rank: int | None = None,
+    alpha: int | None = None,
+    dropout: float | None = None,
+    target_modules: list[str] | str | None = None,
+) -> nn.Module:
+    """``model`` (a Hugging Face model) with a peft LoRA adapter: the settings come from
+    ``config`` (``lora_rank``, ``lora_alpha``, ``lora_dropout``, ``target_modules``),
+    keywords win. Only the adapter is trainable. ``["all-linear"]`` is peft's
+    ``"all-linear"``. Build it inside ``strategy.init_model_context()`` together with the
+    model, or after it; either way it starts as the base model (``lora_B`` zero)."""
+    peft = peft_module()
+    rank = rank if rank is not None else (config.lora_rank if config is not None else 0)
+    if rank < 1:
+        raise LoraError(f"apply_lora: lora_rank={rank}; a LoRA adapter needs lora_rank >= 1")
+    alpha = alpha if alpha is not None else (config.lora_alpha if config is not None else 16)
+    dropout = dropout if dropout is not None else (config.lora_dropout if config else 0.0)
+    targets: Any = target_modules if target_modules is not None else (
+        config.target_modules if config is not None else ["all-linear"]
+    )  # fmt: skip
+    if isinstance(targets, str):
+        targets = [targets]
+    if list(targets) == ["all-linear"]:
+        targets = "all-linear"
+    lora_config = peft.LoraConfig(
+        r=rank, lora_alpha=alpha, lora_dropout=dropout, target_modules=targets,
+        task_type=peft.TaskType.CAUSAL_LM,
+    )  # fmt: skip
+    try:
+        return peft.get_peft_model(model, lora_config)  # type: ignore[no-any-return]
+    except ValueError as exc:
+        if "target" not in str(exc).lower():
+            raise
+        linear = sorted(
+            {name.rsplit(".", 1)[-1] for name, m in model.named_modules()
+             if isinstance(m, nn.Linear)}
+        )  # fmt: skip
+        raise LoraError(
+            f"target_modules={targets!r} match no module of {type(model).__name__}; its "
+            f"linear modules are {linear}. Pass some of those names, or all-linear"
+        ) from exc
+
+
+def is_lora_model(module: nn.Module) -> bool:
+    """Whether ``module`` holds peft LoRA layers."""
+    try:
+        from peft.tuners.lora import LoraLayer
+    except ImportError:
+        return False
+    return any(isinstance(m, LoraLayer) for m in module.modules())
+
+
+def base_name(name: str) -> str | None:
+    """The base model's Hugging Face name of a peft model's tensor name (None for the
+    adapter's own tensors and peft's untouched copies of ``modules_to_save``)."""
+    if _LORA_PART.search(name) or ".original_module." in name:
+        return None
+    if name.startswith(PEFT_PREFIX):
+        name = name[len(PEFT_PREFIX) :]
+    return name.replace(".base_layer.", ".").replace(".modules_to_save.default.", ".")
+
+
+@contextlib.contextmanager
+def lora_init_on_full_tensors() -> Iterator[None]:
+    """Inside ``deepspeed.zero.Init``: peft's ``reset_lora_parameters`` runs on the
+    gathered LoRA tensors (rank 0's values, then partitioned), so the adapter starts as
+    peft makes it. Does nothing when peft is not installed."""
+    try:
+        from peft.tuners.lora.layer import LoraLayer
+    except ImportError:
+        yield
+        return
+    import deepspeed
+
+    original = LoraLayer.reset_lora_parameters
+
+    def reset_on_full_tensors(self: Any, adapter_name: str, init_lora_weights: Any) -> None:
+        params = [
+            p for name, p in self.named_parameters()
+            if name.startswith("lora_") and adapter_name in name.split(".")
+        ]  # fmt: skip
+        with deepspeed.zero.GatheredParameters(params, modifier_rank=0):
+            original(self, adapter_name, init_lora_weights)
+
+    LoraLayer.reset_lora_parameters = reset_on_full_tensors
+    try:
+        yield
+    finally:
+        LoraLayer.reset_lora_parameters = original
+
+
+@dataclass(frozen=True)
+class _Layer:
+    """One LoRA layer: where its tensors live in the stream and how they merge."""
+
+    prefix: str  # the layer's peft name, e.g. "base_model.model.model.layers.0.mlp.up_proj"
+    adapters: tuple[tuple[str, float], ...]  # (adapter name, scaling), the active ones
+    fan_in_fan_out: bool
+
+
+class MergedWeights:
+    """The merged weights of a peft LoRA model, by the base model's names.
+
+    Call it on ``(peft name, full tensor)`` pairs in the model's parameter order (a
+    backend's ``iter_full_parameters``); it yields ``(base name, tensor)``, a LoRA
+    layer's weight as ``W + sum(scaling * B @ A)`` over the active adapters once its
+    adapter tensors have passed. With ``only_touched``, only LoRA layers' weights and
+    other trainable tensors are yielded (what can have changed since a full sync)."""
+
+    def __init__(self, module: nn.Module, *, only_touched: bool = False) -> None:
+        from peft.tuners.lora import LoraLayer
+
+        self.only_touched = only_touched
+        self._layers: dict[str, _Layer] = {}
+        for name, sub in module.named_modules():
+            if not isinstance(sub, LoraLayer):
+                continue
+            if not isinstance(getattr(sub, "base_layer", None), nn.Module):
+                continue
+            active = [a for a in sub.active_adapters if a in sub.lora_A]
+            if any(sub.use_dora.get(a, False) for a in active) or any(
+                sub.lora_bias.get(a, False) for a in active
+            ):
+                raise LoraError(
+                    f"{name}: DoRA and lora_bias adapters are not merged by the weight sync; "
+                    "train a plain LoRA adapter (use_dora=False, lora_bias=False)"
+                )
+            scalings = tuple((a, float(sub.scaling[a])) for a in active)
+            self._layers[name] = _Layer(name, scalings, bool(getattr(sub, "fan_in_fan_out", False)))
+        self._trainable = {n for n, p in module.named_parameters() if p.requires_grad}
+        self._shapes = {
+            base: tuple(getattr(p, "ds_shape", p.shape))
+            for n, p in module.named_parameters()
+            if (base := base_name(n)) is not None and self._sends(n)
+        }
+
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        """The base names this sync sends, with their full shapes."""
+        return dict(self._shapes)
+
+    def _layer_of(self, name: str) -> _Layer | None:
+        prefix = name.rsplit(".", 1)[0]
+        for suffix in (".base_layer",):
+            if prefix.endswith(suffix):
+                return self._layers.get(prefix[: -len(suffix)])
+        return None
+
+    def _sends(self, name: str) -> bool:
+        if not self.only_touched:
+            return True
+        return name in self._trainable or (
+            name.endswith(".base_layer.weight") and self._layer_of(name) is not None
+        )
+
+    def __call__(
+        self, stream: Iterator[tuple[str, torch.Tensor]]
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        waiting: dict[str, torch.Tensor] = {}  # a layer's base weight until its adapter
+        parts: dict[str, dict[str, torch.Tensor]] = {}  # layer -> "A.<adapter>" -> tensor
+        for name, tensor in stream:
+            match = _LORA_PART.search(name)
+            if match is not None:
+                layer = name[: match.start()]
+                if layer not in self._layers or match.group(1) not in ("A", "B"):
+                    continue
+                adapter = name[match.end() :].split(".", 1)[0]
+                parts.setdefault(layer, {})[f"{match.group(1)}.{adapter}"] = tensor
+                ready = self._merge_if_ready(layer, waiting, parts)
+                if ready is not None:
+                    yield ready
+                continue
+            base = base_name(name)
+            if base is None or not self._sends(name):
+                continue
+            owner = self._layer_of(name)
+            if owner is not None and name.endswith(".base_layer.weight"):
+                waiting[owner.prefix] = tensor
+                ready = self._merge_if_ready(owner.prefix, waiting, parts)
+                if ready is not None:
+                    yield ready
+                continue
+            yield base, tensor
+        if waiting:
+            raise LoraError(
+                f"the LoRA tensors of {sorted(waiting)[:3]} never came in the parameter "
+                "stream; the model's LoRA layers and its parameters disagree"
+            )
+
+    def _merge_if_ready(
+        self, prefix: str, waiting: dict[str, torch.Tensor], parts: dict[str, dict[str, Any]]
+    ) -> tuple[str, torch.Tensor] | None:
+        layer = self._layers[prefix]
+        got = parts.get(prefix, {})
+        if prefix not in waiting or any(
+            f"{k}.{a}" not in got for a, _ in layer.adapters for k in ("A", "B")
+        ):
+            return None
+        weight = waiting.pop(prefix)
+        merged = weight.detach().to(torch.float32).clone()
+        for adapter, scaling in layer.adapters:
+            a = got[f"A.{adapter}"].detach().to(device=merged.device, dtype=torch.float32)
+            b = got[f"B.{adapter}"].detach().to(device=merged.device, dtype=torch.float32)
+            delta = b @ a
+            merged += scaling * (delta.T if layer.fan_in_fan_out else delta)
+        del parts[prefix]
+        name = base_name(f"{prefix}.base_layer.weight")
+        assert name is not None
+        return name, merged.to(weight.dtype)
+
+
+def write_lora_model(
+    module: nn.Module,
+    state: dict[str, torch.Tensor],
+    output_dir: Path,
+    tokenizer: Any = None,
+    *,
+    merge: bool = False,
+) -> None:
+    """Write a peft LoRA model whose full state is ``state`` (peft's names): the adapter
+    in peft's format (``adapter_config.json``, ``adapter_model.safetensors``; loads with
+    ``PeftModel.from_pretrained(base, output_dir)``), or with ``merge`` the merged model
+    as a plain Hugging Face directory (base names, ``W + scaling * B @ A``). Rank 0."""
+    from lightrft.strategy.hf_export import write_hf_checkpoint
+
+    output_dir.mkdir(parents=True, exist_ok=True)
+    peft_model: Any = module  # peft's PeftModel
+    if merge:
+        merged = dict(MergedWeights(module)(iter(state.items())))
+        base = peft_model.get_base_model() if hasattr(module, "get_base_model") else module
+        write_hf_checkpoint(merged, _BaseNames(base), output_dir, tokenizer)
+        return
+    peft_model.save_pretrained(str(output_dir), state_dict=state)
+    if tokenizer is not None and hasattr(tokenizer, "save_pretrained"):
+        tokenizer.save_pretrained(output_dir)
+
+
+class _BaseNames(nn.Module):
+    """The base model as ``write_hf_checkpoint`` reads it (its config, generation config
+    and tied names) with the base names of its parameters."""
+
+    _base: nn.Module
+
+    def __init__(self, base: nn.Module) -> None:
+        super().__init__()
+        object.__setattr__(self, "_base", base)
+        self.config = getattr(base, "config", None)
+        self.generation_config = getattr(base, "generation_config", None)
+        self._tied_weights_keys = getattr(base, "_tied_weights_keys", None)
+
+    def named_parameters(self, *args: Any, **kwargs: Any) -> Iterator[tuple[str, nn.Parameter]]:
+        for name, param in self._base.named_parameters(*args, **kwargs):
+            base = base_name(name)
+            if base is not None:
+                yield base, param

@@ -1,0 +1,104 @@
+"""Rank functions of the LoRA tests (:mod:`tests.test_lora`): a peft LoRA adapter on a
+tiny Qwen2, trained through a strategy, synced merged into the Hugging Face engine and
+saved as an adapter and as a merged model."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from lightrft.strategy import get_strategy
+from lightrft.strategy.lora import apply_lora
+from lightrft.testing.models import tiny_hf_causal_lm
+
+#: The adapter every test trains: rank 4 on three of Qwen2's linear modules.
+LORA = {"rank": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj", "up_proj"]}
+PROBE = [[5, 17, 99, 3, 42, 7], [11, 12, 13]]
+
+
+def config(**changes: Any) -> dict[str, Any]:
+    base: dict[str, Any] = {
+        "backend": "fsdp2", "device": "cpu", "bf16": False, "seed": 0,
+        "train_batch_size": 4, "micro_train_batch_size": 1, "max_norm": 1.0,
+        "actor_learning_rate": 1e-2, "lr_warmup_ratio": 0.0,
+        "lr_scheduler": "constant_with_warmup", "l2": 0.0,
+    }  # fmt: skip
+    base.update(changes)
+    return base
+
+
+def build(strategy: Any, seed: int) -> Any:
+    """The tiny Qwen2 with its adapter, built in the strategy's init context."""
+    torch.manual_seed(seed)
+    with strategy.init_model_context():
+        return apply_lora(tiny_hf_causal_lm(), **LORA)
+
+
+def batches(rank: int, count: int) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(100 + rank)
+    return [torch.randint(0, 128, (1, 10), generator=generator) for _ in range(count)]
+
+
+def lora_step_case(cfg: dict[str, Any], steps: int = 2) -> dict[str, Any]:
+    """Prepare the LoRA model, train ``steps`` optimizer steps on rank-specific batches,
+    and return the full state before and after, the trainable names and the probe's
+    logits at the start (rank 0's full tensors)."""
+    strategy = get_strategy(cfg)
+    model = build(strategy, cfg["seed"])
+    trainable = sorted(n for n, p in model.named_parameters() if p.requires_grad)
+    optim = strategy.create_optimizer(model)
+    in_optimizer = sum(len(g["params"]) for g in optim.param_groups)
+    model, optim, sched = strategy.prepare((model, optim, None))
+    start = strategy.full_state_dict(model)
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([PROBE[0]])).logits
+    used = batches(strategy.get_rank(), steps * strategy.accumulated_gradient)
+    stepped = []
+    for ids in used:
+        strategy.backward(model(input_ids=ids, labels=ids).loss, model, optim)
+        stepped.append(strategy.optimizer_step(optim, model, sched))
+    end = strategy.full_state_dict(model)
+    strategy.close()
+    return {
+        "start": start, "end": end, "trainable": trainable, "in_optimizer": in_optimizer,
+        "logits": logits, "used": used, "stepped": stepped,
+    }  # fmt: skip
+
+
+def lora_sync_case(cfg: dict[str, Any], model_dir: str, out_dir: str) -> dict[str, Any]:
+    """Train the LoRA model (built from the saved base in ``model_dir``), sync it merged
+    into the Hugging Face engine twice (the second after one more step: only the LoRA
+    layers go), generate greedily, save the adapter and the merged model under
+    ``out_dir``."""
+    from transformers import AutoModelForCausalLM
+
+    from lightrft.engines import SamplingParams
+
+    strategy = get_strategy({**cfg, "pretrain": model_dir})
+    torch.manual_seed(cfg["seed"])
+    with strategy.init_model_context():
+        base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        model = apply_lora(base, **LORA)
+    optim = strategy.create_optimizer(model)
+    model, optim, sched = strategy.prepare((model, optim, None))
+    strategy.setup_inference_engine(None, "hf")
+    greedy = SamplingParams(max_new_tokens=6, temperature=0)
+    rank = strategy.get_rank()
+    mine = [PROBE[rank]]
+    stats = []
+    for step in range(2):
+        for ids in batches(rank + 10 * step, strategy.accumulated_gradient):
+            strategy.backward(model(input_ids=ids, labels=ids).loss, model, optim)
+            strategy.optimizer_step(optim, model, sched)
+        stats.append(strategy.update_engine_weights(model, verify=True))
+    out = strategy.gather_and_generate(mine, greedy)
+    full = strategy.full_state_dict(model)
+    strategy.save_model(model, None, f"{out_dir}/adapter")
+    strategy.save_model(model, None, f"{out_dir}/merged", merge_lora=True)
+    strategy.close()
+    return {
+        "generated": [o.output_token_ids for o in out],
+        "stats": stats,
+        "full": full,
+    }
