@@ -69,8 +69,8 @@ def lora_step_case(cfg: dict[str, Any], steps: int = 2) -> dict[str, Any]:
 def lora_sync_case(cfg: dict[str, Any], model_dir: str, out_dir: str) -> dict[str, Any]:
     """Train the LoRA model (built from the saved base in ``model_dir``), sync it merged
     into the Hugging Face engine twice (the second after one more step: only the LoRA
-    layers go), generate greedily, save the adapter and the merged model under
-    ``out_dir``."""
+    layers go), generate greedily, save the adapter and the merged model and a
+    checkpoint under ``out_dir``."""
     from transformers import AutoModelForCausalLM
 
     from lightrft.engines import SamplingParams
@@ -96,9 +96,37 @@ def lora_sync_case(cfg: dict[str, Any], model_dir: str, out_dir: str) -> dict[st
     full = strategy.full_state_dict(model)
     strategy.save_model(model, None, f"{out_dir}/adapter")
     strategy.save_model(model, None, f"{out_dir}/merged", merge_lora=True)
+    strategy.save_ckpt(model, f"{out_dir}/ckpt")
     strategy.close()
     return {
         "generated": [o.output_token_ids for o in out],
         "stats": stats,
         "full": full,
     }
+
+
+def lora_resume_case(cfg: dict[str, Any], save_dir: str, resume: bool) -> dict[str, Any]:
+    """Two optimizer steps of the LoRA model with a checkpoint after the first; with
+    ``resume``, a fresh model loads that checkpoint and takes the second step only.
+    Returns the full state after the second step."""
+    strategy = get_strategy(cfg)
+    model = build(strategy, cfg["seed"] + (7 if resume else 0))  # resume: other start
+    optim = strategy.create_optimizer(model)
+    sched = strategy.create_scheduler(optim, max_steps=10)
+    model, optim, sched = strategy.prepare((model, optim, sched))
+    acc = strategy.accumulated_gradient
+    used = batches(strategy.get_rank(), 2 * acc)
+    if resume:
+        strategy.load_ckpt(model, save_dir)
+    else:
+        for ids in used[:acc]:
+            strategy.backward(model(input_ids=ids, labels=ids).loss, model, optim)
+            strategy.optimizer_step(optim, model, sched)
+        strategy.save_ckpt(model, save_dir)
+    for ids in used[acc:]:
+        strategy.backward(model(input_ids=ids, labels=ids).loss, model, optim)
+        strategy.optimizer_step(optim, model, sched)
+    state = strategy.full_state_dict(model)
+    steps = strategy.step_state(model).global_steps
+    strategy.close()
+    return {"state": state, "steps": steps}

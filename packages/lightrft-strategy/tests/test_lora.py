@@ -6,6 +6,8 @@ plain Hugging Face model. fp32 throughout."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -180,3 +182,33 @@ def test_merged_sync_generates_as_transformers_on_the_merged_model_and_exports(
         torch.testing.assert_close(adapter(input_ids=probe).logits, want, rtol=1e-5, atol=1e-5)
         plain = AutoModelForCausalLM.from_pretrained(str(tmp_path / "out" / "merged"))
         torch.testing.assert_close(plain(input_ids=probe).logits, want, rtol=1e-5, atol=1e-5)
+    # `lightrft ckpt export` of the LoRA checkpoint, offline: the adapter, and merged
+    ckpt, out = tmp_path / "out" / "ckpt", tmp_path / "export"
+    for args in ([str(out / "adapter")], [str(out / "merged"), "--merge-lora"]):
+        command = [sys.executable, "-m", "lightrft.strategy.cli", "ckpt", "export", str(ckpt)]
+        result = subprocess.run(
+            [*command, "--to", "hf", "--no-progress", *args], capture_output=True, text=True,
+            timeout=300,
+        )  # fmt: skip
+        assert result.returncode == 0, result.stdout + result.stderr
+    with torch.no_grad():
+        base = AutoModelForCausalLM.from_pretrained(model_dir)
+        adapter = peft.PeftModel.from_pretrained(base, str(out / "adapter"))
+        torch.testing.assert_close(adapter(input_ids=probe).logits, want, rtol=1e-5, atol=1e-5)
+        plain = AutoModelForCausalLM.from_pretrained(str(out / "merged"))
+        torch.testing.assert_close(plain(input_ids=probe).logits, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("backend", SYNC_BACKENDS)
+def test_a_lora_run_resumes_exactly(backend: dict[str, Any], tmp_path: Path) -> None:
+    cfg = lora_workers.config(**backend)
+    whole = run_distributed(lora_workers.lora_resume_case, 2, cfg, str(tmp_path), False,
+                            init_process_group=False)  # fmt: skip
+    resumed = run_distributed(lora_workers.lora_resume_case, 2, cfg, str(tmp_path), True,
+                              init_process_group=False)  # fmt: skip
+    assert whole[0]["steps"] == resumed[0]["steps"] == 2
+    want, got = whole[0]["state"], resumed[0]["state"]
+    assert set(want) == set(got)
+    for name, value in want.items():
+        assert torch.equal(got[name], value), name

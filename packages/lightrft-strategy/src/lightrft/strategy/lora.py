@@ -34,10 +34,13 @@ if TYPE_CHECKING:
 __all__ = [
     "LoraError",
     "MergedWeights",
+    "adapter_settings",
     "apply_lora",
     "base_name",
     "is_lora_model",
     "lora_init_on_full_tensors",
+    "merge_state_dict",
+    "peft_adapter_state",
     "write_lora_model",
 ]
 
@@ -318,3 +321,69 @@ class _BaseNames(nn.Module):
             base = base_name(name)
             if base is not None:
                 yield base, param
+
+
+def adapter_settings(module: nn.Module) -> dict[str, Any] | None:
+    """The active adapter's peft config as plain JSON values (what a checkpoint records
+    so that ``lightrft ckpt export`` can write or merge the adapter without the model),
+    or None for a model without LoRA."""
+    configs = getattr(module, "peft_config", None)
+    if not isinstance(configs, dict) or not configs or not is_lora_model(module):
+        return None
+    active = getattr(module, "active_adapter", None)
+    name = active if isinstance(active, str) and active in configs else next(iter(configs))
+    settings: dict[str, Any] = configs[name].to_dict()
+    for key, value in list(settings.items()):  # sets and enums -> JSON
+        if isinstance(value, set):
+            settings[key] = sorted(value)
+        elif hasattr(value, "value"):
+            settings[key] = value.value
+    settings["adapter_name"] = name
+    return settings
+
+
+def _scaling(settings: dict[str, Any]) -> float:
+    rank, alpha = int(settings["r"]), float(settings["lora_alpha"])
+    return alpha / rank**0.5 if settings.get("use_rslora") else alpha / rank
+
+
+def merge_state_dict(
+    state: dict[str, torch.Tensor], settings: dict[str, Any]
+) -> dict[str, torch.Tensor]:
+    """A LoRA model's full state dict (peft's names, as a checkpoint holds it) merged:
+    ``W + scaling * B @ A`` under the base names, the adapter's tensors dropped;
+    ``settings`` is :func:`adapter_settings`' record (rank, alpha, rslora, fan-in-fan-out).
+    Used offline, where there is no model to read the layers from."""
+    if settings.get("use_dora") or settings.get("lora_bias"):
+        raise LoraError("DoRA and lora_bias adapters are not merged; export the adapter instead")
+    adapter = settings.get("adapter_name", "default")
+    scaling = _scaling(settings)
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in state.items():
+        base = base_name(name)
+        if base is None:
+            continue
+        prefix = name[: -len(".base_layer.weight")] if name.endswith(".base_layer.weight") else None
+        a = state.get(f"{prefix}.lora_A.{adapter}.weight") if prefix else None
+        b = state.get(f"{prefix}.lora_B.{adapter}.weight") if prefix else None
+        if a is None or b is None:
+            out[base] = tensor
+            continue
+        delta = b.to(torch.float32) @ a.to(torch.float32)
+        if settings.get("fan_in_fan_out"):
+            delta = delta.T
+        out[base] = (tensor.to(torch.float32) + scaling * delta).to(tensor.dtype)
+    return out
+
+
+def peft_adapter_state(
+    state: dict[str, torch.Tensor], settings: dict[str, Any]
+) -> dict[str, torch.Tensor]:
+    """The adapter's tensors as peft saves them (``adapter_model.safetensors``: the
+    adapter's name left out of each key)."""
+    adapter = settings.get("adapter_name", "default")
+    return {
+        name.replace(f".{adapter}.", "."): tensor
+        for name, tensor in state.items()
+        if _LORA_PART.search(name) and f".{adapter}." in name
+    }

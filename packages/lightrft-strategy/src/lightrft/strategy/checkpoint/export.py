@@ -7,7 +7,8 @@ tied parameter under its first name only; Hugging Face re-ties it on load; DeepS
 fp32 master weights), or cast to ``dtype``, then
 writes safetensors and ``config.json`` into a staging directory, reads every tensor back
 and compares it with its source, and only then renames the staging directory to the
-output.
+output. A LoRA checkpoint (its metadata records the adapter's peft config) exports the
+adapter in peft's format, or with ``merge_lora`` the merged model.
 """
 
 from __future__ import annotations
@@ -23,11 +24,14 @@ from lightrft.strategy.checkpoint.layout import HF_CONFIG_FILE, CheckpointError,
 from lightrft.strategy.checkpoint.offline import read_contents
 from lightrft.strategy.checkpoint.staging import check_output, staged_output
 from lightrft.strategy.checkpoint.verify import Verification
+from lightrft.strategy.lora import base_name, merge_state_dict, peft_adapter_state
 
 Progress = Callable[[str, int, int], None]
 """``progress(stage, done, total)``: called as tensors are written and verified."""
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+#: peft's adapter weights file.
+ADAPTER_FILE = "adapter_model.safetensors"
 
 
 @dataclass
@@ -64,14 +68,28 @@ def read_hf_config(info: CheckpointInfo, hf_config: str | Path | None) -> str:
     return recorded.read_text(encoding="utf-8")
 
 
+def base_tied(info: CheckpointInfo) -> dict[str, str]:
+    """The tied names of a LoRA checkpoint's model, by the base model's names."""
+    tied = (info.metadata.get("model") or {}).get("tied") or {}
+    return {
+        alias: first
+        for name, target in tied.items()
+        if (alias := base_name(name)) is not None and (first := base_name(target)) is not None
+    }
+
+
 def hf_state(
-    info: CheckpointInfo, weights: dict[str, torch.Tensor], dtype: str | None
+    info: CheckpointInfo,
+    weights: dict[str, torch.Tensor],
+    dtype: str | None,
+    tied: dict[str, str] | None = None,
 ) -> dict[str, torch.Tensor]:
     """The tensors a Hugging Face directory holds, as ``save_model`` writes them: the
     tied parameters' second names left out, each tensor as the checkpoint holds it
     (DeepSpeed's fp32 master weights; FSDP2's parameters) or cast to ``dtype``;
     contiguous and not sharing memory."""
-    tied = (info.metadata.get("model") or {}).get("tied") or {}
+    if tied is None:
+        tied = (info.metadata.get("model") or {}).get("tied") or {}
     target = DTYPES[dtype] if dtype is not None else None
     return {
         name: tensor.detach().to("cpu", target or tensor.dtype).contiguous().clone()
@@ -89,8 +107,12 @@ def export_hf(
     force: bool = False,
     max_shard_bytes: int = 5 * 2**30,
     progress: Progress | None = None,
+    merge_lora: bool = False,
 ) -> ExportReport:
-    """Export ``info``'s model to ``out`` (see the module's docstring)."""
+    """Export ``info``'s model to ``out`` (see the module's docstring). A LoRA
+    checkpoint exports its adapter in peft's format (``adapter_config.json``,
+    ``adapter_model.safetensors``), or with ``merge_lora`` the merged model as a Hugging
+    Face directory."""
     from safetensors import safe_open
 
     from lightrft.strategy.hf_export import write_weight_files
@@ -98,12 +120,32 @@ def export_hf(
     if dtype is not None and dtype not in DTYPES:
         raise ValueError(f"dtype={dtype!r} is not one of {sorted(DTYPES)}")
     check_output(out, force=force, source=info.path)  # before reading anything
-    config_text = read_hf_config(info, hf_config)
+    settings = info.metadata.get("lora")
+    if merge_lora and not settings:
+        raise CheckpointError(
+            f"--merge-lora: {info.path} holds no LoRA adapter (its model was trained in "
+            "full); export it without --merge-lora"
+        )
+    config_text = read_hf_config(info, hf_config) if not settings or merge_lora else None
     weights = read_contents(info, optimizer=False, progress=progress).weights
-    state = hf_state(info, weights, dtype)
+    if settings and merge_lora:  # the merged model, under the base model's names
+        weights = merge_state_dict(weights, settings)
+        state = hf_state(info, weights, dtype, tied=base_tied(info))
+    elif settings:  # the adapter alone, in peft's format
+        state = hf_state(info, peft_adapter_state(weights, settings), dtype)
+    else:
+        state = hf_state(info, weights, dtype)
     with staged_output(out, force=force, source=info.path) as staging:
-        files = write_weight_files(state, staging, max_shard_bytes)
-        (staging / "config.json").write_text(config_text, encoding="utf-8")
+        if settings and not merge_lora:
+            from safetensors.torch import save_file
+
+            save_file(state, str(staging / ADAPTER_FILE), metadata={"format": "pt"})
+            files = [staging / ADAPTER_FILE]
+            adapter_config = {k: v for k, v in settings.items() if k != "adapter_name"}
+            (staging / "adapter_config.json").write_text(json.dumps(adapter_config, indent=2))
+        else:
+            files = write_weight_files(state, staging, max_shard_bytes)
+            (staging / "config.json").write_text(str(config_text), encoding="utf-8")
         verification = Verification()
         seen: set[str] = set()
         for file in files:

@@ -6,6 +6,7 @@ Inside a tag directory, besides what the backend writes (``backend.save_state``)
                               see :mod:`lightrft.strategy.checkpoint.layout`): format,
                               tag, created_ns, sequence, backend, world_size,
                               global_step, has_optimizer, has_scheduler, backend_info,
+                              lora (a LoRA model's peft adapter config, else null),
                               versions and every other file's size
     scheduler.pt              the LR scheduler's state (rank 0; only with a scheduler)
     rng/rank<r>.pt            every rank's RNG state (restored only at the same world size)
@@ -51,6 +52,7 @@ from lightrft.strategy.checkpoint.layout import (
 from lightrft.strategy.checkpoint.rng import capture_rng_state, restore_rng_state
 from lightrft.strategy.checkpoint.safe_io import check_plain, load_plain, save_plain
 from lightrft.strategy.hf_export import tied_aliases
+from lightrft.strategy.lora import adapter_settings
 
 if TYPE_CHECKING:
     from lightrft.strategy.checkpoint.subject import CheckpointBackend, CheckpointSubject, Ranks
@@ -118,6 +120,8 @@ def save_checkpoint(
         "optimizer_groups": optimizer_groups(
             subject.module, backend.optimizer_param_groups(subject.model, optimizer)
         ),
+        # a LoRA model's adapter config: `lightrft ckpt export` writes or merges it offline
+        "lora": adapter_settings(subject.module),
     }
     final = ckpt.commit(tag, staging, metadata, update_latest=save_latest)
     ckpt.rotate(keep, max_mem, keep=tag)

@@ -131,6 +131,11 @@ def info(directory: Path, as_json: bool) -> None:
     type=click.Choice(["fp32", "bf16", "fp16"]),
     help="Cast the weights (default: as the checkpoint holds them, as save_model writes them).",
 )
+@click.option(
+    "--merge-lora",
+    is_flag=True,
+    help="A LoRA checkpoint: export the merged model (default: the adapter, in peft's format).",
+)
 @click.option("--force", is_flag=True, help="Replace a non-empty OUT.")
 @click.option("--progress/--no-progress", default=True, help="Show progress bars.")
 def export(
@@ -140,19 +145,22 @@ def export(
     tag: str | None,
     hf_config: Path | None,
     dtype: str | None,
+    merge_lora: bool,
     force: bool,
     progress: bool,
 ) -> None:
     """Export the model of DIRECTORY's checkpoint to OUT as a Hugging Face model
-    directory (safetensors and config.json), on CPU, at any world size it was saved at."""
+    directory (safetensors and config.json), on CPU, at any world size it was saved at.
+    A LoRA checkpoint exports its adapter (peft's format), or merged with --merge-lora."""
     from lightrft.strategy.checkpoint.export import export_hf
     from lightrft.strategy.checkpoint.offline import open_checkpoint
 
     with _errors(), _progress("export", progress) as update:
         source = open_checkpoint(directory, tag)
         report = export_hf(
-            source, out, hf_config=hf_config, dtype=dtype, force=force, progress=update
-        )
+            source, out, hf_config=hf_config, dtype=dtype, force=force, progress=update,
+            merge_lora=merge_lora,
+        )  # fmt: skip
     click.echo(
         f"exported {source.path} ({source.metadata.get('backend')}, step "
         f"{source.metadata.get('global_step')}) to {report.output}: {report.tensors} "
