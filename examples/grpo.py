@@ -22,6 +22,9 @@ rotated checkpoints; ``--resume`` continues from the latest checkpoint and gives
 same per-step metrics as an uninterrupted run (``--stop-after N`` stops a run after
 step N as an interruption would; the learning-rate schedule still spans ``--steps``).
 
+``--lora_rank N`` (with ``--lora_alpha``, ``--target_modules``) trains a peft LoRA
+adapter instead of every weight; the engine receives the merged weights.
+
     torchrun --nproc-per-node 2 examples/grpo.py            # the default: 2 ranks, FSDP2, HF
     python examples/grpo.py --backend fake --engine_type fake --steps 5
 """
@@ -110,6 +113,10 @@ def train(config: StrategyConfig, opts: argparse.Namespace) -> dict[str, Any]:
     config.extra_args["pretrain"] = str(model_dir)  # the engine loads the same model
 
     actor, reference = load_model(model_dir), load_model(model_dir)
+    if config.lora_rank > 0:  # --lora_rank N: train a peft LoRA adapter, the base frozen
+        from lightrft.strategy.lora import apply_lora
+
+        actor = apply_lora(actor, config)
     (actor, optim, sched), _, _, reference = strategy.prepare_models_and_optimizers(
         actor, None, None, reference, max_steps=opts.steps
     )

@@ -57,6 +57,23 @@ def test_grpo_demo_learns_and_resumes_exactly(backend: list[str], tmp_path: Path
 
 @pytest.mark.distributed
 @pytest.mark.timeout(600)
+def test_grpo_demo_learns_with_a_lora_adapter(tmp_path: Path) -> None:
+    """--lora_rank 8: a peft adapter is trained (the base frozen) and the HF engine is
+    synced merged every step; the reward rises (a LoRA adapter learns slower than the
+    full model at the same step count: a larger learning rate and alpha)."""
+    out = tmp_path / "lora"
+    run_torchrun(
+        GRPO, "--engine_type", "hf", "--steps", "12", "--lora_rank", "8", "--lora_alpha", "32",
+        "--actor_learning_rate", "3e-2", "--min-gain", "0.1", "--out", str(out), timeout=600,
+    )  # fmt: skip
+    rows = _metrics(out)
+    assert [r["step"] for r in rows] == list(range(1, 13))
+    assert _mean(rows[-3:]) > _mean(rows[:3]) + 0.15, [r["reward_mean"] for r in rows]
+    assert all(r["weight_version"] == r["step"] + 1 for r in rows)
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(600)
 def test_grpo_demo_runs_as_a_two_node_job_with_a_sleeping_engine(tmp_path: Path) -> None:
     """Also the engine's sleep (level 1, upstream's): it sleeps after each generation,
     update_engine_weights wakes it, and the check that the engine generates from the

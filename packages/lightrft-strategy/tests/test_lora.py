@@ -23,7 +23,7 @@ from .lora_workers import LORA, PROBE
 
 peft = pytest.importorskip("peft", reason="the lora extra (peft) is part of the test group")
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = pytest.mark.timeout(600)
 
 BACKENDS = [
     pytest.param({"backend": "fsdp2"}, id="fsdp2"),
@@ -103,7 +103,9 @@ def test_base_names_drop_peft_prefixes_and_the_adapters_tensors() -> None:
 def test_lora_step_on_two_ranks_equals_peft_in_one_process(backend: dict[str, Any]) -> None:
     cfg = lora_workers.config(**backend)
     steps = 2
-    ranks = run_distributed(lora_workers.lora_step_case, 2, cfg, steps, init_process_group=False)
+    ranks = run_distributed(
+        lora_workers.lora_step_case, 2, cfg, steps, init_process_group=False, timeout=280
+    )
     r0 = ranks[0]
     start, end = r0["start"], r0["end"]
     assert r0["stepped"].count(True) == steps
@@ -204,9 +206,9 @@ def test_merged_sync_generates_as_transformers_on_the_merged_model_and_exports(
 def test_a_lora_run_resumes_exactly(backend: dict[str, Any], tmp_path: Path) -> None:
     cfg = lora_workers.config(**backend)
     whole = run_distributed(lora_workers.lora_resume_case, 2, cfg, str(tmp_path), False,
-                            init_process_group=False)  # fmt: skip
+                            init_process_group=False, timeout=280)  # fmt: skip
     resumed = run_distributed(lora_workers.lora_resume_case, 2, cfg, str(tmp_path), True,
-                              init_process_group=False)  # fmt: skip
+                              init_process_group=False, timeout=280)  # fmt: skip
     assert whole[0]["steps"] == resumed[0]["steps"] == 2
     want, got = whole[0]["state"], resumed[0]["state"]
     assert set(want) == set(got)

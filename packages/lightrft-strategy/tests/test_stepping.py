@@ -16,7 +16,9 @@ import torch
 from torch import nn
 
 from lightrft.strategy import StrategyBase, get_strategy
+from lightrft.strategy.base import StrategyBase
 from lightrft.strategy.fsdp2 import FSDP2Strategy
+from lightrft.strategy.fsdp2.backend import FSDP2Backend
 
 from . import workers
 
@@ -228,15 +230,23 @@ def test_report_memory_and_cache_clearing_work_on_cpu(
             gc.enable()
 
 
-class RecordingMoves(FSDP2Strategy):
-    """Records the models the strategy hands to its ``_move_model`` backend hook."""
-
-    def __init__(self, *args: object, **kwargs: object) -> None:
-        super().__init__(*args, **kwargs)
+class _RecordingBackend(FSDP2Backend):
+    def __init__(self, strategy: StrategyBase) -> None:
+        super().__init__(strategy)
         self.moves: list[tuple[nn.Module, str]] = []
 
-    def _move_model(self, model: nn.Module, device: torch.device) -> None:
+    def move_model(self, model: nn.Module, device: torch.device) -> None:
         self.moves.append((model, device.type))
+
+
+class RecordingMoves(FSDP2Strategy):
+    """Records the models the strategy hands to its backend's ``move_model``."""
+
+    backend_class = _RecordingBackend
+
+    @property
+    def moves(self) -> list[tuple[nn.Module, str]]:
+        return self.backend.moves  # type: ignore[attr-defined, no-any-return]
 
 
 def test_offload_model_and_reload_model_leave_the_models_of_a_cpu_job_in_place(
