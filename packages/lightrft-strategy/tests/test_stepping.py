@@ -16,7 +16,6 @@ import torch
 from torch import nn
 
 from lightrft.strategy import StrategyBase, get_strategy
-from lightrft.strategy.base import StrategyBase
 from lightrft.strategy.fsdp2 import FSDP2Strategy
 from lightrft.strategy.fsdp2.backend import FSDP2Backend
 
