@@ -74,6 +74,8 @@ from pydantic_core import PydanticCustomError
 
 from lightrft.config import sources, summary
 from lightrft.config.backends import (
+    BUILTIN_BACKENDS,
+    BUILTIN_ENGINES,
     canonical_backend_name,
     known_backend_names,
     known_engine_names,
@@ -403,7 +405,7 @@ class StrategyConfig(BaseModel):
         if value is None:
             return None
         name = canonical_backend_name(value)
-        if name not in known_backend_names():
+        if name not in BUILTIN_BACKENDS and name not in known_backend_names():
             raise PydanticCustomError(
                 "unknown_backend",
                 "unknown backend; choose one of {choices} (other backends register under "
@@ -424,6 +426,8 @@ class StrategyConfig(BaseModel):
     @classmethod
     def _known_engine(cls, value: str) -> str:
         name = value.strip().lower()
+        if name in BUILTIN_ENGINES:  # no entry-point scan (it costs milliseconds a call)
+            return name
         known = known_engine_names()
         if name not in known:
             guess = closest(name, known)
