@@ -73,7 +73,8 @@ NEW_FIELDS: dict[str, object] = {
     "deepspeed_config": None,
 }
 
-#: Upstream's example scripts' argparse names (not in its config.py), same defaults.
+#: Argparse names of upstream's examples/gsm8k_geo3k/train_colocate.py (not in its
+#: config.py), same defaults.
 UPSTREAM_SCRIPT_FIELDS: dict[str, object] = {
     "lora_rank": 0,
     "lora_alpha": 16,

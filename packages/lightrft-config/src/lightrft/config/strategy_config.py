@@ -227,7 +227,7 @@ class StrategyConfig(BaseModel):
         0.03, ge=0, le=1, description="Fraction of steps spent warming up the learning rate."
     )
 
-    # -- LoRA (upstream's example scripts' argparse names and defaults) ---------------
+    # -- LoRA (argparse names and defaults of upstream's gsm8k_geo3k/train_colocate.py)
     lora_rank: Int = Field(
         0, ge=0, description="LoRA rank of the actor's adapter (0: train every weight)."
     )

@@ -5,8 +5,9 @@
 * :class:`UpstreamAttributes`: upstream's read-only attributes (``strategy.bf16``,
   ``strategy.zpg``, ...), each the configuration's field of the same name;
 * :class:`UpstreamEngineCalls`: upstream's engine calls (``setup_inference_engine``,
-  ``gather_and_generate``, ``update_engine_weights``, ``inference_engine``, ...), each
-  converted here, once, into one call of the strategy's engine link
+  ``gather_and_generate``, ``update_engine_weights``, ``inference_engine``, ...) and
+  ours beside them (``verify_engine_weights``, not upstream's), each converted here,
+  once, into one call of the strategy's engine link
   (:class:`lightrft.strategy.engine_link.EngineLink`).
 
 Where one name takes two shapes (``gather_and_generate(prompts, sampling)`` and
