@@ -187,6 +187,7 @@ def test_the_checkpoint_manager_imports_nothing_of_the_strategy() -> None:
         "lightrft.strategy.checkpoint.subject",
         "lightrft.strategy.hf_export",
         "lightrft.strategy.lora",
+        "lightrft.strategy.tensors",
     }, strategy_modules
     params = inspect.signature(manager.save_checkpoint).parameters
     assert "strategy" not in params and "subject" in params and "backend" in params

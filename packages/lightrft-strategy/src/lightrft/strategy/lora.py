@@ -28,6 +28,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from lightrft.strategy.tensors import full_shape
+
 if TYPE_CHECKING:
     from lightrft.config import StrategyConfig
 
@@ -158,6 +160,22 @@ def lora_init_on_full_tensors() -> Iterator[None]:
         LoraLayer.reset_lora_parameters = original
 
 
+def merge(
+    weight: torch.Tensor,
+    factors: list[tuple[torch.Tensor, torch.Tensor, float]],
+    fan_in_fan_out: bool = False,
+) -> torch.Tensor:
+    """``weight + sum(scaling * B @ A)`` over ``(A, B, scaling)``, computed in fp32 and
+    returned in ``weight``'s dtype (``B @ A`` transposed for a fan-in-fan-out layer)."""
+    merged = weight.detach().to(torch.float32).clone()
+    for a, b, scaling in factors:
+        delta = b.detach().to(merged.device, torch.float32) @ a.detach().to(
+            merged.device, torch.float32
+        )
+        merged += scaling * (delta.T if fan_in_fan_out else delta)
+    return merged.to(weight.dtype)
+
+
 @dataclass(frozen=True)
 class _Layer:
     """One LoRA layer: where its tensors live in the stream and how they merge."""
@@ -198,7 +216,7 @@ class MergedWeights:
             self._layers[name] = _Layer(name, scalings, bool(getattr(sub, "fan_in_fan_out", False)))
         self._trainable = {n for n, p in module.named_parameters() if p.requires_grad}
         self._shapes = {
-            base: tuple(getattr(p, "ds_shape", p.shape))
+            base: full_shape(p)
             for n, p in module.named_parameters()
             if (base := base_name(n)) is not None and self._sends(n)
         }
@@ -208,11 +226,11 @@ class MergedWeights:
         return dict(self._shapes)
 
     def _layer_of(self, name: str) -> _Layer | None:
-        prefix = name.rsplit(".", 1)[0]
-        for suffix in (".base_layer",):
-            if prefix.endswith(suffix):
-                return self._layers.get(prefix[: -len(suffix)])
-        return None
+        """The LoRA layer whose base layer holds the tensor ``name``, if any."""
+        prefix, _, _ = name.rpartition(".")
+        if not prefix.endswith(".base_layer"):
+            return None
+        return self._layers.get(prefix[: -len(".base_layer")])
 
     def _sends(self, name: str) -> bool:
         if not self.only_touched:
@@ -264,17 +282,11 @@ class MergedWeights:
             f"{k}.{a}" not in got for a, _ in layer.adapters for k in ("A", "B")
         ):
             return None
-        weight = waiting.pop(prefix)
-        merged = weight.detach().to(torch.float32).clone()
-        for adapter, scaling in layer.adapters:
-            a = got[f"A.{adapter}"].detach().to(device=merged.device, dtype=torch.float32)
-            b = got[f"B.{adapter}"].detach().to(device=merged.device, dtype=torch.float32)
-            delta = b @ a
-            merged += scaling * (delta.T if layer.fan_in_fan_out else delta)
+        factors = [(got[f"A.{a}"], got[f"B.{a}"], scaling) for a, scaling in layer.adapters]
         del parts[prefix]
         name = base_name(f"{prefix}.base_layer.weight")
         assert name is not None
-        return name, merged.to(weight.dtype)
+        return name, merge(waiting.pop(prefix), factors, layer.fan_in_fan_out)
 
 
 def write_lora_model(
@@ -369,10 +381,7 @@ def merge_state_dict(
         if a is None or b is None:
             out[base] = tensor
             continue
-        delta = b.to(torch.float32) @ a.to(torch.float32)
-        if settings.get("fan_in_fan_out"):
-            delta = delta.T
-        out[base] = (tensor.to(torch.float32) + scaling * delta).to(tensor.dtype)
+        out[base] = merge(tensor, [(a, b, scaling)], bool(settings.get("fan_in_fan_out")))
     return out
 
 

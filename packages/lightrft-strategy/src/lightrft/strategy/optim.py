@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from lightrft.config import StrategyConfig
+from lightrft.strategy.tensors import full_shape
 
 #: Parameter names containing one of these never get weight decay (upstream's rule).
 NO_DECAY_NAME_PARTS = (
@@ -43,8 +44,7 @@ def parameter_groups(model: nn.Module, weight_decay: float) -> list[dict[str, An
         if not param.requires_grad:
             continue
         lowered = name.lower()
-        # a ZeRO-3 partitioned parameter keeps its real shape in ds_shape
-        ndim = len(getattr(param, "ds_shape", param.shape))
+        ndim = len(full_shape(param))  # a ZeRO-3 parameter's data is an empty shard
         if (
             id(param) in no_decay_ids
             or ndim <= 1

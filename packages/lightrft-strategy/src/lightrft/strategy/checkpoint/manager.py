@@ -53,6 +53,7 @@ from lightrft.strategy.checkpoint.rng import capture_rng_state, restore_rng_stat
 from lightrft.strategy.checkpoint.safe_io import check_plain, load_plain, save_plain
 from lightrft.strategy.hf_export import tied_aliases
 from lightrft.strategy.lora import adapter_settings
+from lightrft.strategy.tensors import full_shape
 
 if TYPE_CHECKING:
     from lightrft.strategy.checkpoint.subject import CheckpointBackend, CheckpointSubject, Ranks
@@ -151,7 +152,7 @@ def model_layout(model: nn.Module) -> dict[str, Any]:
     (a ZeRO-3 parameter's shape is its ``ds_shape``; an FSDP2 DTensor's is global)."""
 
     def shape(tensor: torch.Tensor) -> list[int]:
-        return [int(n) for n in getattr(tensor, "ds_shape", tensor.shape)]
+        return list(full_shape(tensor))
 
     buffers = []
     for module_name, module in model.named_modules():

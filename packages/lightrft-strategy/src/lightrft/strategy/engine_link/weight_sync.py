@@ -23,6 +23,7 @@ from lightrft.strategy.engine_link.common import (
     weight_version,
 )
 from lightrft.strategy.engine_link.generation import GenerationCalls
+from lightrft.strategy.tensors import full_shape
 
 #: Default size of one weight-sync bucket.
 DEFAULT_BUCKET_BYTES = 256 * 2**20
@@ -134,7 +135,7 @@ class WeightSyncCalls(GenerationCalls):
         names = (
             merge.shapes().items()
             if merge is not None
-            else ((n, _full_shape(p)) for n, p in module.named_parameters())
+            else ((n, full_shape(p)) for n, p in module.named_parameters())
         )
         sent: dict[str, tuple[int, ...]] = {}
         source: dict[str, str] = {}
@@ -317,10 +318,3 @@ class WeightSyncCalls(GenerationCalls):
                 "tolerance=)"
             )
         return {"max_logprob_gap": gap, "probe_tokens": len(gaps)}
-
-
-def _full_shape(param: torch.Tensor) -> tuple[int, ...]:
-    """The unsharded shape of a parameter (DeepSpeed ZeRO-3 keeps it in ``ds_shape``;
-    a DTensor's shape is already the global one)."""
-    shape = getattr(param, "ds_shape", None)
-    return tuple(shape if shape is not None else param.shape)
