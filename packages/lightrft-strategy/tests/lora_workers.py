@@ -130,3 +130,60 @@ def lora_resume_case(cfg: dict[str, Any], save_dir: str, resume: bool) -> dict[s
     steps = strategy.step_state(model).global_steps
     strategy.close()
     return {"state": state, "steps": steps}
+
+
+def lora_adapter_sync_case(cfg: dict[str, Any], model_dir: str) -> dict[str, Any]:
+    """Train the LoRA model and sync its adapter alone (``lora_sync="adapter"``) into a
+    fake engine that serves adapters and samples from the saved base model, twice (one
+    more step between); generate greedily; then the refusals: an engine without
+    adapters, and an adapter whose names are not the engine's model's."""
+    from lightrft.engines import SamplingParams
+    from lightrft.strategy.lora import LoraError
+    from lightrft.testing.fake_engine import FakeEngine
+
+    strategy = get_strategy({**cfg, "pretrain": model_dir, "lora_sync": "adapter", "lora_rank": 4,
+                             "engine_options": {"serves_adapters": True}})  # fmt: skip
+    model = _from_saved_base(strategy, model_dir, cfg["seed"])
+    optim = strategy.create_optimizer(model)
+    model, optim, sched = strategy.prepare((model, optim, None))
+    strategy.setup_inference_engine(None, "fake")
+    engine = strategy.inference_engine
+    greedy = SamplingParams(max_new_tokens=6, temperature=0)
+    rank = strategy.get_rank()
+    stats = []
+    for step in range(2):
+        for ids in batches(rank + 10 * step, strategy.accumulated_gradient):
+            strategy.backward(model(input_ids=ids, labels=ids).loss, model, optim)
+            strategy.optimizer_step(optim, model, sched)
+        stats.append(strategy.update_engine_weights(model, verify=True))
+    out = strategy.gather_and_generate([PROBE[rank]], greedy)
+    errors = {}
+    try:
+        strategy.update_engine_weights(model, name_map=lambda name: f"other.{name}")
+    except LoraError as exc:
+        errors["names"] = str(exc)
+    held = dict(engine.adapter)
+    strategy.engine_link.attach(FakeEngine(vocab_size=128))
+    try:
+        strategy.update_engine_weights(model)
+    except LoraError as exc:
+        errors["no_adapters"] = str(exc)
+    full = strategy.full_state_dict(model)
+    strategy.close()
+    return {
+        "generated": [o.output_token_ids for o in out],
+        "stats": stats,
+        "full": full,
+        "held": sorted(held),
+        "settings": engine.adapter_settings,
+        "errors": errors,
+    }
+
+
+def _from_saved_base(strategy: Any, model_dir: str, seed: int) -> Any:
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    with strategy.init_model_context():
+        base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        return apply_lora(base, **LORA)

@@ -203,6 +203,39 @@ def test_merged_sync_generates_as_transformers_on_the_merged_model_and_exports(
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("backend", SYNC_BACKENDS)
+def test_adapter_sync_sends_the_adapter_alone_and_generates_as_the_merged_model(
+    backend: dict[str, Any], tmp_path: Path
+) -> None:
+    from transformers import AutoModelForCausalLM
+
+    model_dir = str(save_tiny_qwen2(tmp_path / "qwen2"))
+    cfg = lora_workers.config(**backend, engine_type="fake")
+    ranks = run_distributed(
+        lora_workers.lora_adapter_sync_case, 2, cfg, model_dir,
+        init_process_group=False, timeout=280,
+    )  # fmt: skip
+    trained = apply_lora(AutoModelForCausalLM.from_pretrained(model_dir), **LORA)
+    trained.load_state_dict(ranks[0]["full"])
+    adapter = {n: p for n, p in trained.named_parameters() if ".lora_" in n}
+    merged = trained.merge_and_unload().eval()
+    assert [r["generated"][0] for r in ranks] == greedy_reference(merged, PROBE, 6)
+    assert len(adapter) == 2 * 3 * 2  # A and B, three modules, two layers
+    for r in ranks:
+        for stats in r["stats"]:
+            assert stats["lora"] == "adapter" and stats["tensors"] == len(adapter)
+            assert stats["bytes"] == 4 * sum(p.numel() for p in adapter.values())
+            assert stats["max_logprob_gap"] < 1e-3
+        assert r["held"] == sorted(  # peft's adapter-file names
+            n.replace(".default.", ".") for n in adapter
+        )
+        assert r["settings"]["r"] == LORA["rank"] and r["settings"]["lora_alpha"] == 8
+        assert "not in the engine's model: other.model.layers.0" in r["errors"]["names"]
+        assert "FakeEngine cannot serve LoRA adapters" in r["errors"]["no_adapters"]
+        assert "set lora_sync='merged'" in r["errors"]["no_adapters"]
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("backend", SYNC_BACKENDS)
 def test_a_lora_run_resumes_exactly(backend: dict[str, Any], tmp_path: Path) -> None:
     cfg = lora_workers.config(**backend)
     whole = run_distributed(lora_workers.lora_resume_case, 2, cfg, str(tmp_path), False,

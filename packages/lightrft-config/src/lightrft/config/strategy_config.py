@@ -26,7 +26,8 @@ Which fields are read, and where (modules of ``lightrft.strategy`` unless named)
 * ``base`` with ``sequence_parallel`` and ``ulysses``: sp_size (the groups, the
   sequence split, the data-parallel sampler).
 * ``base`` (``save_ckpt``, for the checkpoint manager): max_ckpt_num, max_ckpt_mem.
-* ``lora`` (``apply_lora``): lora_rank, lora_alpha, lora_dropout, target_modules.
+* ``lora`` (``apply_lora``): lora_rank, lora_alpha, lora_dropout, target_modules;
+  ``engine_link`` and ``build_engine``: lora_sync (with lora_rank, target_modules).
 * ``deepspeed`` (``strategy``, ``ds_config``): zero_stage, precision/bf16, max_norm,
   micro_train_batch_size, train_batch_size, sp_size, zpg, overlap_comm,
   grad_accum_dtype, adam_offload, deepspeed_config.
@@ -238,6 +239,14 @@ class StrategyConfig(BaseModel):
     target_modules: list[str] = Field(
         ["all-linear"],
         description="Modules that get a LoRA adapter: names (peft's matching) or all-linear.",
+    )
+    lora_sync: Literal["merged", "adapter"] = Field(
+        "merged",
+        description=(
+            "How a LoRA actor's weights reach the rollout engine: merged (base + scaled "
+            "adapter under the base model's names; every engine) or adapter (the adapter "
+            "alone, to an engine that serves adapters: vLLM, SGLang, the fake)."
+        ),
     )
 
     # -- control -------------------------------------------------------------------
@@ -496,6 +505,15 @@ class StrategyConfig(BaseModel):
                     self.engine_sleep_level,
                     "needs enable_engine_sleep=True",
                     "enable sleep or leave engine_sleep_level unset",
+                )
+            )
+        if self.lora_sync == "adapter" and self.lora_rank == 0:
+            problems.append(
+                _joined(
+                    "lora_sync",
+                    "adapter",
+                    "needs a LoRA actor, and lora_rank=0",
+                    "set lora_rank >= 1, or leave lora_sync at merged",
                 )
             )
         if self.resolved_backend == "deepspeed":

@@ -9,8 +9,10 @@ from importlib.metadata import version as _version
 
 from lightrft.engines.base import EngineBase
 from lightrft.engines.capabilities import (
+    AdapterSync,
     ComputeDtype,
     KeepsSleepState,
+    PartialWeightSync,
     PromptLimits,
     TensorParallel,
     WeightShapes,
@@ -45,6 +47,7 @@ from lightrft.engines.spec import EngineSpec
 __version__ = _version("lightrft-engines")
 
 __all__ = [
+    "AdapterSync",
     "ComputeDtype",
     "EngineBase",
     "EngineError",
@@ -52,6 +55,7 @@ __all__ = [
     "GenerationOutput",
     "InferenceEngine",
     "KeepsSleepState",
+    "PartialWeightSync",
     "Prompt",
     "PromptError",
     "PromptLimits",

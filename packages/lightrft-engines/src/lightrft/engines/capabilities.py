@@ -19,6 +19,8 @@ capability                what the strategy does with it
 :class:`KeepsSleepState`  wakes only what the engine's :class:`SleepState` says sleeps
 :class:`PartialWeightSync` after a full sync of a LoRA model, takes only the layers
                           the adapter changes (``finish_partial_weight_update``)
+:class:`AdapterSync`      takes a LoRA model's adapter alone (``lora_sync="adapter"``)
+                          and generates with it
 :class:`ComputeDtype`     picks the tolerance of ``verify_engine_weights`` (1e-3 only
                           when both sides compute in fp32; an engine without it: fp32)
 ========================  =============================================================
@@ -27,7 +29,7 @@ capability                what the strategy does with it
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
     import torch
@@ -35,6 +37,7 @@ if TYPE_CHECKING:
     from lightrft.engines.protocol import SleepState
 
 __all__ = [
+    "AdapterSync",
     "ComputeDtype",
     "KeepsSleepState",
     "PartialWeightSync",
@@ -97,6 +100,19 @@ class PartialWeightSync(Protocol):
     def finish_partial_weight_update(self) -> None:
         """End a sync that sent some of the weights: those are loaded, the others kept
         (``finish_weight_update`` refuses a sync that misses a weight)."""
+
+
+@runtime_checkable
+class AdapterSync(Protocol):
+    def load_adapter(
+        self, tensors: Mapping[str, torch.Tensor], settings: Mapping[str, Any]
+    ) -> None:
+        """Take a LoRA adapter and generate with it from now on (it replaces the one
+        taken before; the base weights are those of the last full sync): ``tensors``
+        under the names of peft's ``adapter_model.safetensors``
+        (``base_model.model.<module>.lora_A.weight``), ``settings`` its
+        ``adapter_config.json`` (``r``, ``lora_alpha``, ``target_modules``, ...).
+        Counts as a weight sync; the tensors follow ``update_weights``' rules."""
 
 
 @runtime_checkable

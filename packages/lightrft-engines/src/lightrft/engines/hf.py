@@ -118,7 +118,7 @@ class HFEngine(EngineBase, PromptLimits, WeightShapes, PartialWeightSync):
         options = dict(spec.native)
         media_processor = options.pop("media_processor", None)
         config = transformers.AutoConfig.from_pretrained(path)
-        with _outside_zero3():
+        with outside_zero3():
             if getattr(config, "vision_config", None) is not None:  # a vision-language model
                 model = transformers.AutoModelForImageTextToText.from_pretrained(path, dtype=dtype)
                 if media_processor is None and getattr(config, "image_token_id", None) is not None:
@@ -355,7 +355,7 @@ def generate_options(native: Mapping[str, Any]) -> dict[str, Any]:
 
 
 @contextlib.contextmanager
-def _outside_zero3() -> Iterator[None]:
+def outside_zero3() -> Iterator[None]:
     """transformers' ``from_pretrained`` with any ZeRO-3 config switched off: our
     DeepSpeed strategy at ZeRO-3 keeps an ``HfDeepSpeedConfig`` alive while it lives
     (upstream's holds one only inside ``init_model_context``), and under it

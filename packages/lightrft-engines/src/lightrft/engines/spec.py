@@ -21,6 +21,9 @@ EngineSpec             read from
 ``seed``               ``seed``
 ``device``             ``device`` (``"cuda"``, ``"cpu"``; ``None``/``"auto"``: CUDA
                        when available)
+``lora_rank``          ``lora_rank`` when ``lora_sync="adapter"`` (the engine is built
+                       to serve adapters of that rank); else None
+``lora_target_modules`` ``target_modules`` then (``["all-linear"]``: every linear layer)
 ``native``             ``engine_options`` (a mapping), then keyword arguments
 =====================  =============================================================
 """
@@ -66,6 +69,10 @@ class EngineSpec:
     seed: int = 42
     device: str = "cpu"
     native: Mapping[str, Any] = field(default_factory=dict)
+    #: The LoRA rank adapters are sent at (``lora_sync="adapter"``); None: no adapters.
+    lora_rank: int | None = None
+    #: The modules those adapters target (peft's ``target_modules``).
+    lora_target_modules: tuple[str, ...] = ()
     #: Whether ``engine_type`` was chosen (a keyword, a mapping key, an attribute of a
     #: namespace, a field set on a StrategyConfig) rather than left at the default.
     engine_type_chosen: bool = True
@@ -113,6 +120,9 @@ class EngineSpec:
         options = dict(_read(source, "engine_options", None) or {})
         options.update(native)
         model_path = _read(source, "pretrain", None)
+        lora_rank = int(_read(source, "lora_rank", 0) or 0)
+        adapters = lora_rank > 0 and _read(source, "lora_sync", "merged") == "adapter"
+        targets = _read(source, "target_modules", None) or ["all-linear"]
         return cls(
             engine_type=name,
             model_path=None if model_path is None else str(model_path),
@@ -124,6 +134,10 @@ class EngineSpec:
             seed=int(_read(source, "seed", 42)),
             device=str(device),
             native=options,
+            lora_rank=lora_rank if adapters else None,
+            lora_target_modules=tuple([targets] if isinstance(targets, str) else targets)
+            if adapters
+            else (),
             engine_type_chosen=chosen,
         )
 

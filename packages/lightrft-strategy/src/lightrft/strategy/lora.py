@@ -14,13 +14,16 @@ ZeRO-3, and the merged weights an engine receives.
   into what an engine serving the base model loads: ``W + scaling * B @ A`` under the
   base model's Hugging Face names, LoRA tensors dropped; with ``only_touched`` only the
   layers the adapter changes (and other trainable tensors) are sent.
+* :class:`AdapterWeights` picks the adapter alone out of that stream, under the names
+  of peft's ``adapter_model.safetensors``, for an engine that serves adapters
+  (``lora_sync="adapter"``), and checks it against the engine's model.
 """
 
 from __future__ import annotations
 
 import contextlib
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -34,6 +37,7 @@ if TYPE_CHECKING:
     from lightrft.config import StrategyConfig
 
 __all__ = [
+    "AdapterWeights",
     "LoraError",
     "MergedWeights",
     "adapter_settings",
@@ -396,3 +400,88 @@ def peft_adapter_state(
         for name, tensor in state.items()
         if _LORA_PART.search(name) and f".{adapter}." in name
     }
+
+
+class AdapterWeights:
+    """The active adapter of a peft LoRA model as an engine that serves adapters loads
+    it: its ``lora_A``/``lora_B`` tensors under the names of peft's
+    ``adapter_model.safetensors`` (``base_model.model.<module>.lora_A.weight``; a
+    ``name_map`` renames the module as it renames the base weight), and
+    :attr:`settings`, its ``adapter_config.json``.
+
+    Raises :class:`LoraError` for what an adapter alone cannot carry: trainable tensors
+    outside it (peft's ``modules_to_save``), DoRA, LoRA on embeddings, or a layer that
+    ``name_map`` drops; the fix is ``lora_sync="merged"``."""
+
+    def __init__(
+        self, module: nn.Module, name_map: Callable[[str], str | None] | None = None
+    ) -> None:
+        from peft.tuners.lora import LoraLayer
+
+        settings = adapter_settings(module)
+        if settings is None:
+            raise LoraError("lora_sync='adapter': the model has no LoRA adapter")
+        adapter = settings.pop("adapter_name")
+        fix = "; use lora_sync='merged' (base + adapter merged, under the base names)"
+        if settings.get("use_dora") or settings.get("lora_bias"):
+            raise LoraError(f"lora_sync='adapter' sends plain LoRA adapters, not DoRA{fix}")
+        outside = [n for n, p in module.named_parameters()
+                   if p.requires_grad and not _LORA_PART.search(n)]  # fmt: skip
+        if outside:
+            raise LoraError(
+                f"lora_sync='adapter' sends the adapter alone, and {len(outside)} trainable "
+                f"tensors are outside it ({', '.join(outside[:3])}: modules_to_save?){fix}"
+            )
+        self.settings: dict[str, Any] = settings
+        #: peft parameter name -> name in the adapter file.
+        self._names: dict[str, str] = {}
+        #: the base weight each adapted layer changes (the engine's name) -> its shape.
+        self.layers: dict[str, tuple[int, ...]] = {}
+        for prefix, sub in module.named_modules():
+            if not isinstance(sub, LoraLayer) or adapter not in sub.lora_A:
+                continue
+            if adapter in getattr(sub, "lora_embedding_A", {}):
+                raise LoraError(f"lora_sync='adapter': {prefix} is a LoRA embedding{fix}")
+            weight = base_name(f"{prefix}.base_layer.weight")
+            assert weight is not None
+            target = name_map(weight) if name_map is not None else weight
+            if target is None or not target.endswith(".weight"):
+                raise LoraError(
+                    f"lora_sync='adapter': name_map maps the adapted weight {weight!r} to "
+                    f"{target!r}; an adapter layer needs the engine's name of its weight{fix}"
+                )
+            self.layers[target] = full_shape(sub.get_base_layer().weight)
+            saved = PEFT_PREFIX + target[: -len(".weight")]
+            for part in ("A", "B"):
+                self._names[f"{prefix}.lora_{part}.{adapter}.weight"] = (
+                    f"{saved}.lora_{part}.weight"
+                )
+
+    def select(self, name: str) -> bool:
+        """Whether the parameter ``name`` belongs to the adapter (what is gathered)."""
+        return name in self._names
+
+    def __call__(
+        self, stream: Iterator[tuple[str, torch.Tensor]]
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, tensor in stream:
+            saved = self._names.get(name)
+            if saved is not None:
+                yield saved, tensor
+
+    def check_fits(self, engine_shapes: Mapping[str, Sequence[int]], engine: str) -> None:
+        """Raise :class:`LoraError` unless every adapted weight is one of the engine's
+        (``engine_shapes``: its name -> shape) with the same shape, naming those that
+        are not."""
+        absent = [n for n in self.layers if n not in engine_shapes]
+        wrong = [f"{n} {list(s)} (engine: {list(engine_shapes[n])})"
+                 for n, s in self.layers.items()
+                 if n in engine_shapes and tuple(engine_shapes[n]) != s]  # fmt: skip
+        if absent or wrong:
+            said = [f"not in the engine's model: {', '.join(absent[:4])}"] if absent else []
+            said += [f"of another shape: {', '.join(wrong[:4])}"] if wrong else []
+            raise LoraError(
+                f"the adapter does not fit {engine}'s model ({'; '.join(said)}): the "
+                "engine serves another model than the one trained, or the names need a "
+                "name_map; nothing was sent"
+            )

@@ -25,6 +25,11 @@ on the fake engine learns as on a real one. Built from a spec that names a model
 (``pretrain``), it loads that model as its policy (native option
 ``sample_from_model=False``: the output rule).
 
+With ``serves_adapters=True`` it also takes a LoRA adapter alone (``load_adapter``, the
+:class:`~lightrft.engines.AdapterSync` capability): its tensors count among the
+weights of the output rule, and a policy generates with ``W + scaling * B @ A`` on each
+adapted weight (the base being what the last full sync, or the model, gave).
+
 Sleep/wake follows :class:`lightrft.engines.protocol.SleepState`, the state machine
 the real adapters use; every weight sync is recorded (name, shape, dtype and a SHA-256
 of each tensor's bytes) so a test can check a sync sent exactly the right weights.
@@ -34,6 +39,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -107,6 +113,8 @@ class FakeEngine(EngineBase, PromptLimits, WeightShapes, PartialWeightSync):
         weight_stream: offer ``update_weights_stream`` (one call per sync pulling the
             tensors, as the vLLM adapter does), so the strategy streams to it instead
             of sending buckets.
+        serves_adapters: offer ``load_adapter`` (a LoRA adapter alone, as vLLM and
+            SGLang take one), so ``lora_sync="adapter"`` sends it the adapter.
     """
 
     def __init__(
@@ -117,6 +125,7 @@ class FakeEngine(EngineBase, PromptLimits, WeightShapes, PartialWeightSync):
         generate_on_every_rank: bool = True,
         policy: nn.Module | None = None,
         weight_stream: bool = False,
+        serves_adapters: bool = False,
     ) -> None:
         if vocab_size < 2:
             raise ValueError(f"FakeEngine vocab_size={vocab_size} must be >= 2")
@@ -150,13 +159,22 @@ class FakeEngine(EngineBase, PromptLimits, WeightShapes, PartialWeightSync):
         self._pending_tensors: dict[str, torch.Tensor] = {}
         if weight_stream:  # an optional protocol member: present only when offered
             self.update_weights_stream = self._update_weights_stream
+        #: The adapter held: name in peft's adapter file -> record (empty: none).
+        self.adapter: dict[str, WeightRecord] = {}
+        #: Its ``adapter_config.json`` settings, as received.
+        self.adapter_settings: dict[str, Any] = {}
+        self._adapter_base: dict[str, torch.Tensor] = {}  # adapted weight -> its base
+        self._adapter_delta: dict[str, torch.Tensor] = {}  # adapted weight -> scaling*B@A
+        if serves_adapters:
+            self.load_adapter = self._load_adapter
 
     # -- generation ------------------------------------------------------------------------
     @classmethod
     def from_spec(cls, spec: EngineSpec) -> FakeEngine:
         """``build_engine(config, engine_type="fake")``: the spec's native options
         (``vocab_size``, ``expected_weights``, ``supports_sleep``,
-        ``generate_on_every_rank``, ``weight_stream``) are the constructor's arguments; without
+        ``generate_on_every_rank``, ``weight_stream``, ``serves_adapters``) are the
+        constructor's arguments; without
         ``vocab_size``, that of the model the spec names (its ``config.json``), so the
         token ids fit the model being trained."""
         options = dict(spec.native)
@@ -300,10 +318,57 @@ class FakeEngine(EngineBase, PromptLimits, WeightShapes, PartialWeightSync):
         tensors, self._pending_tensors = self._pending_tensors, {}
         with torch.no_grad():
             for name, tensor in tensors.items():
+                if name in self._adapter_base:  # a new base under the adapter held
+                    self._adapter_base[name] = tensor
+                    tensor = tensor + self._adapter_delta[name]
                 self._policy_params[name].copy_(tensor)
         self.bucket_sizes, self._pending_buckets = self._pending_buckets, []
         self.syncs.append(record)
         self._set_weights({**self.weights, **record})
+        self.state.weights_synced()
+
+    def _load_adapter(
+        self, tensors: Mapping[str, torch.Tensor], settings: Mapping[str, Any]
+    ) -> None:
+        """``load_adapter`` (with ``serves_adapters=True``): the adapter replaces the one
+        held; a policy's adapted weights become base + ``scaling * B @ A``."""
+        self._check_open()
+        self.state.check_update()
+        rank, alpha = int(settings["r"]), float(settings["lora_alpha"])
+        scaling = alpha / rank**0.5 if settings.get("use_rslora") else alpha / rank
+        pairs: dict[str, dict[str, torch.Tensor]] = {}
+        for name, tensor in tensors.items():
+            match = re.fullmatch(r"base_model\.model\.(.+)\.lora_([AB])\.weight", name)
+            if match is None:
+                raise EngineError(f"load_adapter: {name!r} is not a name of peft's adapter file")
+            pairs.setdefault(f"{match[1]}.weight", {})[match[2]] = tensor
+        halves = [n for n, pair in pairs.items() if len(pair) != 2]
+        if halves:
+            raise EngineError(f"load_adapter: {halves[:3]} came without lora_A or lora_B")
+        if self.policy is not None:
+            unknown = sorted(n for n in pairs if n not in self._policy_params)
+            if unknown:
+                raise WeightMismatchError(unexpected=unknown)
+            fan = bool(settings.get("fan_in_fan_out"))
+            with torch.no_grad():
+                for name, base in self._adapter_base.items():  # the old adapter goes
+                    self._policy_params[name].copy_(base)
+                self._adapter_base, self._adapter_delta = {}, {}
+                for name, pair in pairs.items():
+                    param = self._policy_params[name]
+                    delta = scaling * (pair["B"].float() @ pair["A"].float()).to(param.device)
+                    delta = (delta.T if fan else delta).to(param.dtype)
+                    self._adapter_base[name] = param.detach().clone()
+                    self._adapter_delta[name] = delta
+                    param.add_(delta)
+        record = {n: WeightRecord(n, tuple(t.shape), t.dtype, tensor_digest(t))
+                  for n, t in tensors.items()}  # fmt: skip
+        self.adapter, self.adapter_settings = record, dict(settings)
+        self.bucket_sizes = [len(record)]
+        self.syncs.append(record)
+        self._set_weights(
+            {**{n: r for n, r in self.weights.items() if ".lora_" not in n}, **record}
+        )
         self.state.weights_synced()
 
     def _set_weights(self, weights: dict[str, WeightRecord]) -> None:

@@ -108,7 +108,7 @@ def sample_completions(
 
 def load_policy(model_path: str, device: str = "cpu") -> Any:
     """A Hugging Face causal LM from a folder, in float32 and eval mode (transformers
-    is lightrft-testing's ``hf`` extra)."""
+    is lightrft-testing's ``hf`` extra), whole even beside a ZeRO-3 strategy."""
     try:
         from transformers import AutoModelForCausalLM
     except ImportError as exc:
@@ -117,8 +117,11 @@ def load_policy(model_path: str, device: str = "cpu") -> Any:
             "not installed: pip install 'lightrft-testing[hf]', or pass the engine option "
             "sample_from_model=False for the deterministic output rule"
         ) from exc
+    from lightrft.engines.hf import outside_zero3
+
     try:
-        model: Any = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+        with outside_zero3():  # a full copy, also beside a ZeRO-3 strategy
+            model: Any = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
     except (OSError, ValueError) as exc:
         raise EngineError(
             f"FakeEngine could not load {model_path!r} as a causal LM to sample from "

@@ -14,7 +14,7 @@ import logging
 import math
 import os
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
@@ -502,11 +502,15 @@ class DeepSpeedBackend(Backend):
                 out[name] = full.detach().cpu()
         return out
 
-    def iter_full_parameters(self, model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    def iter_full_parameters(
+        self, model: nn.Module, select: Callable[[str], bool] | None = None
+    ) -> Iterator[tuple[str, torch.Tensor]]:
         """ZeRO-3 parameters gathered one at a time (the 16-bit copy in bf16/fp16), each
         copied out of the gather buffer (released when the next is gathered); others as
         they are."""
         for name, param in self.strategy.unwrap_model(model).named_parameters():
+            if select is not None and not select(name):
+                continue
             gather = _is_partitioned(param)
             with deepspeed.zero.GatheredParameters([param], enabled=gather):
                 full = param.data.clone() if gather else param.data

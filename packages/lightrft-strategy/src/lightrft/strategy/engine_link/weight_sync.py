@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -15,6 +15,7 @@ from torch import nn
 
 from lightrft.strategy import lora
 from lightrft.strategy.actor import training_module
+from lightrft.strategy.engine_link.adapter_sync import AdapterSyncCalls
 from lightrft.strategy.engine_link.common import (
     capabilities_module,
     limits,
@@ -22,7 +23,6 @@ from lightrft.strategy.engine_link.common import (
     protocol_module,
     weight_version,
 )
-from lightrft.strategy.engine_link.generation import GenerationCalls
 from lightrft.strategy.tensors import full_shape
 
 #: Default size of one weight-sync bucket.
@@ -72,7 +72,7 @@ class SyncTensors:
             raise
 
 
-class WeightSyncCalls(GenerationCalls):
+class WeightSyncCalls(AdapterSyncCalls):
     """``update_engine_weights`` and ``verify_engine_weights``; full weights are gathered
     through the backend's ``iter_full_parameters``."""
 
@@ -104,7 +104,10 @@ class WeightSyncCalls(GenerationCalls):
         any engine serving the base model takes them; after the first such sync to an
         engine that takes partial syncs (``PartialWeightSync``: the Hugging Face engine,
         the fake), only the LoRA layers' weights (and other trainable tensors) are sent.
-        ``lora`` in the result says which (``"merged"``, ``"merged_delta"``).
+        With ``lora_sync="adapter"`` (config) the adapter alone goes to an engine that
+        serves adapters (:mod:`.adapter_sync`); to another engine that is an error
+        naming it and ``lora_sync="merged"``. ``lora`` in the result says which
+        (``"merged"``, ``"merged_delta"``, ``"adapter"``).
 
         Returns ``tensors``, ``buckets`` (the engine calls that carried tensors: 1 for a
         stream), ``bytes``, ``gather_s`` (gathering full tensors), ``load_s`` (inside
@@ -125,6 +128,13 @@ class WeightSyncCalls(GenerationCalls):
             raise ValueError(f"bucket_bytes={bucket_bytes} must be >= 1")
         module = self.unwrap_model(model)
         offered = capabilities_module()
+        if self.config.lora_sync == "adapter" and lora.is_lora_model(module):
+            adapter_stats = self._send_adapter(
+                engine, model, module, name_map=name_map, dtype=dtype
+            )
+            if self.config.verify_engine_sync if verify is None else verify:
+                adapter_stats.update(self.verify_engine_weights(model))
+            return adapter_stats
         # a LoRA model: the engine serves the base model, so it gets the merged weights
         # under the base names; after a full sync, only what the adapter can change (to an
         # engine that takes a partial sync)
@@ -137,19 +147,7 @@ class WeightSyncCalls(GenerationCalls):
             if merge is not None
             else ((n, full_shape(p)) for n, p in module.named_parameters())
         )
-        sent: dict[str, tuple[int, ...]] = {}
-        source: dict[str, str] = {}
-        for name, shape in names:
-            target = name_map(name) if name_map is not None else name
-            if target is None:
-                continue
-            if target in source:
-                raise ValueError(
-                    f"name_map maps both {source[target]!r} and {name!r} to {target!r}: each "
-                    "engine name must come from one parameter (map one of them to None to "
-                    "drop it)"
-                )
-            source[target], sent[target] = name, shape
+        sent = self._engine_shapes(names, name_map)
         # None: the engine cannot tell
         expected = engine.weight_shapes() if isinstance(engine, offered.WeightShapes) else None
         if expected is not None:
@@ -200,6 +198,27 @@ class WeightSyncCalls(GenerationCalls):
         if self.config.verify_engine_sync if verify is None else verify:
             stats.update(self.verify_engine_weights(model))
         return stats
+
+    @staticmethod
+    def _engine_shapes(
+        names: Iterable[tuple[str, tuple[int, ...]]], name_map: Callable[[str], str | None] | None
+    ) -> dict[str, tuple[int, ...]]:
+        """The engine's name -> shape of what a sync sends, each engine name from one
+        training name."""
+        sent: dict[str, tuple[int, ...]] = {}
+        source: dict[str, str] = {}
+        for name, shape in names:
+            target = name_map(name) if name_map is not None else name
+            if target is None:
+                continue
+            if target in source:
+                raise ValueError(
+                    f"name_map maps both {source[target]!r} and {name!r} to {target!r}: each "
+                    "engine name must come from one parameter (map one of them to None to "
+                    "drop it)"
+                )
+            source[target], sent[target] = name, shape
+        return sent
 
     @staticmethod
     def _send_buckets(

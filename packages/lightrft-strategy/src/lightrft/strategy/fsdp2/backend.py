@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -221,8 +221,12 @@ class FSDP2Backend(Backend):
             model, dict(state), options=StateDictOptions(full_state_dict=True, strict=False)
         )
 
-    def iter_full_parameters(self, model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    def iter_full_parameters(
+        self, model: nn.Module, select: Callable[[str], bool] | None = None
+    ) -> Iterator[tuple[str, torch.Tensor]]:
         for name, param in model.named_parameters():
+            if select is not None and not select(name):
+                continue
             yield name, param.full_tensor() if isinstance(param, DTensor) else param.detach()
 
     def update_ema(self, model: nn.Module, model_ema: nn.Module, beta: float) -> None:
