@@ -45,7 +45,7 @@ pytestmark = [pytest.mark.sglang, pytest.mark.timeout(600)]
 ENGINE_METHODS = [
     "generate", "update_weights_from_tensor", "release_memory_occupation",
     "resume_memory_occupation", "flush_cache", "shutdown", "begin_weight_update",
-    "end_weight_update",
+    "end_weight_update", "load_lora_adapter_from_tensors", "unload_lora_adapter",
 ]  # fmt: skip
 
 
@@ -73,6 +73,7 @@ class SGLangSide:
         self.released: set[str] = set()
         self.loaded_names: list[str] = []
         self.children: list[subprocess.Popen[bytes]] = []
+        self.adapters: dict[str, dict[str, torch.Tensor]] = {}  # name -> weight -> delta
 
     def construct(self, engine: Any, **server: Any) -> None:
         self.server = server
@@ -120,6 +121,30 @@ class SGLangSide:
                 self.loaded_names.append(name)
         return True, "Success"
 
+    def load_lora_adapter_from_tensors(
+        self, engine: Any, lora_name: str, tensors: Any, config_dict: dict[str, Any],
+        load_format: str | None = None,
+    ) -> tuple[bool, str]:  # fmt: skip
+        if lora_name in self.adapters:
+            return False, f"LoRA adapter {lora_name!r} is already loaded"
+        scaling = config_dict["lora_alpha"] / config_dict["r"]
+        params = dict(self.model.named_parameters())
+        deltas: dict[str, torch.Tensor] = {}
+        for name, a in tensors.items():
+            if ".lora_A." not in name:
+                continue
+            weight = name[len("base_model.model.") :].replace(".lora_A.weight", ".weight")
+            if weight not in params:
+                return False, f"unknown LoRA target {weight}"
+            deltas[weight] = scaling * tensors[name.replace(".lora_A.", ".lora_B.")] @ a
+        self.adapters[lora_name] = deltas
+        return True, "Success"
+
+    def unload_lora_adapter(self, engine: Any, lora_name: str) -> tuple[bool, str]:
+        if self.adapters.pop(lora_name, None) is None:
+            return False, f"LoRA adapter {lora_name!r} is not loaded"
+        return True, "Success"
+
     def release_memory_occupation(self, engine: Any, tags: list[str] | None) -> None:
         self.released.update(tags or ["weights", "kv_cache", "cuda_graph"])
 
@@ -132,8 +157,18 @@ class SGLangSide:
     def generate(self, engine: Any, **request: Any) -> list[dict[str, Any]]:
         assert not self.released, f"generate with {sorted(self.released)} released"
         outs = []
-        for ids, params in zip(request["input_ids"], request["sampling_params"], strict=True):
-            tokens, logprobs = _decode(self.model, ids, params)
+        names = request.get("lora_path") or [None] * len(request["input_ids"])
+        weights = dict(self.model.named_parameters())
+        for ids, params, name in zip(
+            request["input_ids"], request["sampling_params"], names, strict=True
+        ):
+            deltas = self.adapters[name] if name is not None else {}  # KeyError: unknown
+            with torch.no_grad():
+                for weight, delta in deltas.items():
+                    weights[weight].add_(delta)
+                tokens, logprobs = _decode(self.model, ids, params)
+                for weight, delta in deltas.items():
+                    weights[weight].sub_(delta)
             meta: dict[str, Any] = {"finish_reason": {"type": "length", "length": len(tokens)}}
             if request.get("return_logprob"):
                 meta["output_token_logprobs"] = [
@@ -194,6 +229,29 @@ def _trained(model_dir: Path) -> dict[str, torch.Tensor]:
         for param in model.parameters():  # a tied weight once
             param.add_(0.05 * torch.randn(param.shape, generator=generator))
     return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def _adapter(
+    model_dir: Path, seed: int
+) -> tuple[dict[str, torch.Tensor], dict[str, Any], dict[str, torch.Tensor]]:
+    """A rank-8 adapter on q_proj and up_proj in peft's file names, its settings, and
+    the merged state of the saved model it makes."""
+    from transformers import AutoModelForCausalLM
+
+    model: Any = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    generator = torch.Generator().manual_seed(seed)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    tensors = {}
+    for name, weight in model.named_parameters():
+        if not name.endswith(("q_proj.weight", "up_proj.weight")):
+            continue
+        a = 0.3 * torch.randn(8, weight.shape[1], generator=generator)
+        b = 0.3 * torch.randn(weight.shape[0], 8, generator=generator)
+        prefix = "base_model.model." + name[: -len(".weight")]
+        tensors[f"{prefix}.lora_A.weight"], tensors[f"{prefix}.lora_B.weight"] = a, b
+        state[name] = state[name] + 2.0 * b @ a  # alpha 16 / rank 8
+    settings = {"r": 8, "lora_alpha": 16, "target_modules": ["q_proj", "up_proj"]}
+    return tensors, settings, state
 
 
 def _parameter_names(state: dict[str, torch.Tensor]) -> list[str]:
@@ -299,6 +357,39 @@ def test_sync_then_generate_equals_transformers_on_the_synced_weights(
     fmt = "flattened_bucket" if flattened else None
     assert {u["load_format"] for u in updates} == {fmt}
     assert len(updates) == -(-len(_parameter_names(state)) // 5)  # buckets of 5 tensors
+
+
+def test_an_adapter_reaches_sglang_and_every_request_names_it(
+    api: SGLangAPI, tiny_model_dir: Path
+) -> None:
+    side = SGLangSide(api, tiny_model_dir)
+    engine = _engine(api, side, lora_rank=8)
+    prompts = [[5, 17, 99, 3], [42]]
+    greedy = SamplingParams(max_new_tokens=6, temperature=0)
+    base = [o.output_token_ids for o in engine.generate(prompts, greedy)]
+    assert side.requests.get("lora_path") is None  # no adapter yet: none named
+    for version, seed in ((1, 1), (2, 2)):
+        tensors, settings, merged = _adapter(tiny_model_dir, seed)
+        engine.load_adapter(tensors, settings)
+        outs = [o.output_token_ids for o in engine.generate(prompts, greedy)]
+        assert outs == _reference(tiny_model_dir, merged, prompts) != base
+        assert side.requests["lora_path"] == [f"lightrft-v{version}"] * 2
+        assert list(side.adapters) == [f"lightrft-v{version}"]  # the old one unloaded
+        assert engine.weight_version == version
+    loads = [args for name, args in engine.engine.calls
+             if name == "load_lora_adapter_from_tensors"]  # fmt: skip
+    assert loads[-1]["config_dict"]["peft_type"] == "LORA"
+    plain = _engine(api, SGLangSide(api, tiny_model_dir))
+    with pytest.raises(
+        EngineError, match=r"SGLang was started without adapters.*lora_sync='adapter'"
+    ):
+        plain.load_adapter(tensors, settings)
+    with pytest.raises(EngineError, match=r"started for rank <= 8, and the adapter has rank 16"):
+        engine.load_adapter(tensors, {**settings, "r": 16})
+    side.adapters["lightrft-v3"] = {}  # SGLang refuses a name it holds: the error says so
+    with pytest.raises(EngineError, match="SGLang refused load_lora_adapter_from_tensors"):
+        engine.load_adapter(tensors, settings)
+    assert [o.output_token_ids for o in engine.generate(prompts, greedy)] == outs
 
 
 def test_n_samples_seeds_and_images_reach_sglang_per_request(

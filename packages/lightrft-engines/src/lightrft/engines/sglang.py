@@ -17,6 +17,12 @@ installed SGLang has that format, else per tensor as ``LocalSerializedTensor``
 opens one and :meth:`finish_weight_update` closes it. Every call is bound to the
 installed SGLang's signature first (:mod:`.sglang_api`).
 
+LoRA adapters (``lora_sync="adapter"``: the spec's ``lora_rank``): SGLang starts with
+``enable_lora``, ``max_lora_rank`` and ``lora_target_modules`` (peft's ``all-linear`` is
+SGLang's ``all``); :meth:`SGLangEngine.load_adapter` hands the leader's SGLang the
+adapter's tensors (``load_lora_adapter_from_tensors``, a new name per sync, the old one
+unloaded once the new one is in), and every later request names it (``lora_path``).
+
 Sleep: level 1 releases the KV cache and CUDA graphs (weights stay); level 2 also
 releases the weights. A release keeps no parameters (SGLang's memory saver frees
 them), so whatever a resume brings back is not the synced weights: after a level-2
@@ -46,7 +52,7 @@ from typing import Any
 import torch
 
 from lightrft.engines.base import EngineBase
-from lightrft.engines.capabilities import ComputeDtype, PromptLimits, TensorParallel
+from lightrft.engines.capabilities import AdapterSync, ComputeDtype, PromptLimits, TensorParallel
 from lightrft.engines.multimodal import MODALITIES, prompt_media
 from lightrft.engines.protocol import (
     EngineError,
@@ -122,7 +128,7 @@ def _end_processes(pids: Sequence[int], timeout: float = 30.0) -> None:
             proc.kill()
 
 
-class SGLangEngine(EngineBase, PromptLimits, TensorParallel, ComputeDtype):
+class SGLangEngine(EngineBase, PromptLimits, TensorParallel, ComputeDtype, AdapterSync):
     """An ``sglang.Engine`` shared by a tensor-parallel group (build with :meth:`from_spec`).
 
     Args:
@@ -135,6 +141,7 @@ class SGLangEngine(EngineBase, PromptLimits, TensorParallel, ComputeDtype):
         sleep_mode: whether SGLang was started with its memory saver (sleep levels).
         vocab_size, max_model_len: the limits prompts are checked against.
         started: the processes SGLang's construction started (ended by :meth:`shutdown`).
+        lora_rank: the largest adapter rank SGLang was started for (None: no adapters).
     """
 
     generate_on_every_rank = False
@@ -152,8 +159,11 @@ class SGLangEngine(EngineBase, PromptLimits, TensorParallel, ComputeDtype):
         vocab_size: int | None = None,
         max_model_len: int | None = None,
         started: Sequence[int] = (),
+        lora_rank: int | None = None,
     ) -> None:
         super().__init__(supports_sleep=sleep_mode)
+        self.lora_rank = lora_rank
+        self._adapter: str | None = None  # the adapter every request names, once loaded
         self.engine = engine
         self.api = api
         self.tp_size = tp_size
@@ -199,6 +209,13 @@ class SGLangEngine(EngineBase, PromptLimits, TensorParallel, ComputeDtype):
             }
             if spec.max_model_len is not None:
                 server["context_length"] = spec.max_model_len
+            if spec.lora_rank:
+                targets = [t for t in spec.lora_target_modules if t != "all-linear"]
+                server.update(
+                    enable_lora=True,
+                    max_lora_rank=spec.lora_rank,
+                    lora_target_modules=targets or ["all"],
+                )
             server.update(spec.native)
             try:
                 api.check_call("ServerArgs", "", server)
@@ -233,6 +250,7 @@ class SGLangEngine(EngineBase, PromptLimits, TensorParallel, ComputeDtype):
             vocab_size=vocab,
             max_model_len=context,
             started=started,
+            lora_rank=spec.lora_rank or None,
         )
 
     # -- generation --------------------------------------------------------------------
@@ -290,6 +308,8 @@ class SGLangEngine(EngineBase, PromptLimits, TensorParallel, ComputeDtype):
             "return_logprob": params.logprobs,
             **media,  # every item of every prompt, in order (a list per request)
         }
+        if self._adapter is not None:
+            kwargs["lora_path"] = [self._adapter] * len(input_ids)
         raw = self.api.call(self.engine, "Engine", "generate", **kwargs)
         results = raw if isinstance(raw, list) else [raw]
         if len(results) != len(input_ids):
@@ -403,6 +423,44 @@ class SGLangEngine(EngineBase, PromptLimits, TensorParallel, ComputeDtype):
                     self.api.call(self.engine, "Engine", "end_weight_update"), "end_weight_update"
                 )
             self.api.call(self.engine, "Engine", "flush_cache")
+        self._synced()
+
+    def load_adapter(
+        self, tensors: Mapping[str, torch.Tensor], settings: Mapping[str, Any]
+    ) -> None:
+        """The adapter to the leader's SGLang under a new name (the old one unloaded once
+        the new one is in); every later request names it. Every rank of the group calls
+        it; only the leader holds SGLang."""
+        self._check_open()
+        self.state.check_update()
+        rank = int(settings.get("r", 0))
+        if self.lora_rank is None or rank > self.lora_rank:
+            built = (
+                "without adapters" if self.lora_rank is None else f"for rank <= {self.lora_rank}"
+            )
+            raise EngineError(
+                f"SGLang was started {built}, and the adapter has rank {rank}: set "
+                "lora_sync='adapter' and lora_rank in the config before "
+                "setup_inference_engine, so SGLang starts with enable_lora"
+            )
+        name = f"lightrft-v{self.weight_version + 1}"
+        if self.leader:
+            self._expect_ok(
+                self.api.call(
+                    self.engine, "Engine", "load_lora_adapter_from_tensors",
+                    lora_name=name, tensors=dict(tensors),
+                    config_dict={"peft_type": "LORA", **settings},
+                ),
+                "load_lora_adapter_from_tensors",
+            )  # fmt: skip
+            if self._adapter is not None:
+                self._expect_ok(
+                    self.api.call(
+                        self.engine, "Engine", "unload_lora_adapter", lora_name=self._adapter
+                    ),
+                    "unload_lora_adapter",
+                )
+        self._adapter = name
         self._synced()
 
     @staticmethod
