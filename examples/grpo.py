@@ -23,7 +23,8 @@ same per-step metrics as an uninterrupted run (``--stop-after N`` stops a run af
 step N as an interruption would; the learning-rate schedule still spans ``--steps``).
 
 ``--lora_rank N`` (with ``--lora_alpha``, ``--target_modules``) trains a peft LoRA
-adapter instead of every weight; the engine receives the merged weights.
+adapter instead of every weight; the engine receives the merged weights, or with
+``--lora_sync adapter`` (vLLM, SGLang) the adapter alone.
 
     torchrun --nproc-per-node 2 examples/grpo.py            # the default: 2 ranks, FSDP2, HF
     python examples/grpo.py --backend fake --engine_type fake --steps 5
