@@ -199,6 +199,22 @@ def test_merged_sync_generates_as_transformers_on_the_merged_model_and_exports(
         torch.testing.assert_close(adapter(input_ids=probe).logits, want, rtol=1e-5, atol=1e-5)
         plain = AutoModelForCausalLM.from_pretrained(str(out / "merged"))
         torch.testing.assert_close(plain(input_ids=probe).logits, want, rtol=1e-5, atol=1e-5)
+    # `lightrft ckpt convert` to the other backend keeps the adapter: exported from the
+    # converted checkpoint, merged, it is the same model
+    other = "fsdp2" if backend["backend"] == "deepspeed" else "deepspeed"
+    converted = tmp_path / "converted"
+    command = [sys.executable, "-m", "lightrft.strategy.cli", "ckpt"]
+    for args in (
+        ["convert", str(ckpt), str(converted), "--to", other, "--no-progress",
+         *(["--zero-stage", "3"] if other == "deepspeed" else [])],
+        ["export", str(converted), "--to", "hf", "--no-progress", str(out / "converted"),
+         "--merge-lora"],
+    ):  # fmt: skip
+        result = subprocess.run([*command, *args], capture_output=True, text=True, timeout=300)
+        assert result.returncode == 0, result.stdout + result.stderr
+    with torch.no_grad():
+        plain = AutoModelForCausalLM.from_pretrained(str(out / "converted"))
+        torch.testing.assert_close(plain(input_ids=probe).logits, want, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.distributed
