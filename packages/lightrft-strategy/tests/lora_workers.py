@@ -73,7 +73,6 @@ def lora_sync_case(cfg: dict[str, Any], model_dir: str, out_dir: str) -> dict[st
     checkpoint under ``out_dir``."""
     from transformers import AutoModelForCausalLM
 
-    from lightrft.engines import SamplingParams
 
     strategy = get_strategy({**cfg, "pretrain": model_dir})
     torch.manual_seed(cfg["seed"])
@@ -83,16 +82,7 @@ def lora_sync_case(cfg: dict[str, Any], model_dir: str, out_dir: str) -> dict[st
     optim = strategy.create_optimizer(model)
     model, optim, sched = strategy.prepare((model, optim, None))
     strategy.setup_inference_engine(None, "hf")
-    greedy = SamplingParams(max_new_tokens=6, temperature=0)
-    rank = strategy.get_rank()
-    mine = [PROBE[rank]]
-    stats = []
-    for step in range(2):
-        for ids in batches(rank + 10 * step, strategy.accumulated_gradient):
-            strategy.backward(model(input_ids=ids, labels=ids).loss, model, optim)
-            strategy.optimizer_step(optim, model, sched)
-        stats.append(strategy.update_engine_weights(model, verify=True))
-    out = strategy.gather_and_generate(mine, greedy)
+    stats, out = _train_sync_generate(strategy, model, optim, sched)
     full = strategy.full_state_dict(model)
     strategy.save_model(model, None, f"{out_dir}/adapter")
     strategy.save_model(model, None, f"{out_dir}/merged", merge_lora=True)
@@ -137,7 +127,6 @@ def lora_adapter_sync_case(cfg: dict[str, Any], model_dir: str) -> dict[str, Any
     fake engine that serves adapters and samples from the saved base model, twice (one
     more step between); generate greedily; then the refusals: an engine without
     adapters, and an adapter whose names are not the engine's model's."""
-    from lightrft.engines import SamplingParams
     from lightrft.strategy.lora import LoraError
     from lightrft.testing.fake_engine import FakeEngine
 
@@ -148,15 +137,7 @@ def lora_adapter_sync_case(cfg: dict[str, Any], model_dir: str) -> dict[str, Any
     model, optim, sched = strategy.prepare((model, optim, None))
     strategy.setup_inference_engine(None, "fake")
     engine = strategy.inference_engine
-    greedy = SamplingParams(max_new_tokens=6, temperature=0)
-    rank = strategy.get_rank()
-    stats = []
-    for step in range(2):
-        for ids in batches(rank + 10 * step, strategy.accumulated_gradient):
-            strategy.backward(model(input_ids=ids, labels=ids).loss, model, optim)
-            strategy.optimizer_step(optim, model, sched)
-        stats.append(strategy.update_engine_weights(model, verify=True))
-    out = strategy.gather_and_generate([PROBE[rank]], greedy)
+    stats, out = _train_sync_generate(strategy, model, optim, sched)
     errors = {}
     try:
         strategy.update_engine_weights(model, name_map=lambda name: f"other.{name}")
@@ -187,3 +168,21 @@ def _from_saved_base(strategy: Any, model_dir: str, seed: int) -> Any:
     with strategy.init_model_context():
         base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
         return apply_lora(base, **LORA)
+
+
+def _train_sync_generate(
+    strategy: Any, model: Any, optim: Any, sched: Any
+) -> tuple[list[Any], Any]:
+    """Two rounds of (a step on rank-specific batches, a verified sync), then greedy
+    generation of this rank's probe: (the syncs' stats, the outputs)."""
+    from lightrft.engines import SamplingParams
+
+    rank = strategy.get_rank()
+    stats = []
+    for step in range(2):
+        for ids in batches(rank + 10 * step, strategy.accumulated_gradient):
+            strategy.backward(model(input_ids=ids, labels=ids).loss, model, optim)
+            strategy.optimizer_step(optim, model, sched)
+        stats.append(strategy.update_engine_weights(model, verify=True))
+    greedy = SamplingParams(max_new_tokens=6, temperature=0)
+    return stats, strategy.gather_and_generate([PROBE[rank]], greedy)

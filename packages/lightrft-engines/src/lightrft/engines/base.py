@@ -11,12 +11,14 @@ whether the engine is shut down, and runs the protocol's ``sleep``, ``wake_up`` 
 * :meth:`EngineBase._close` — stop the engine, called once.
 
 An adapter calls :meth:`EngineBase._check_open` first in its own calls and
-:meth:`EngineBase._synced` when a whole weight sync has landed.
+:meth:`EngineBase._synced` when a whole weight sync has landed; one that serves LoRA
+adapters calls :meth:`EngineBase._check_adapter_rank` before loading one.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from lightrft.engines.capabilities import KeepsSleepState, WeightVersion
 from lightrft.engines.protocol import EngineError, SleepState
@@ -75,6 +77,21 @@ class EngineBase(KeepsSleepState, WeightVersion):
     def _check_open(self) -> None:
         if self._closed:
             raise EngineError(f"the engine was shut down ({type(self).__name__})")
+
+    def _check_adapter_rank(
+        self, settings: Mapping[str, Any], built_for: int | None, started: str
+    ) -> None:
+        """Raise naming the fix unless the engine was built for adapters of the rank in
+        ``settings`` (``built_for``: the largest rank it serves, None: no adapters);
+        ``started`` says how it was built (``"vLLM was built"``)."""
+        rank = int(settings.get("r", 0))
+        if built_for is None or rank > built_for:
+            how = "without adapters" if built_for is None else f"for rank <= {built_for}"
+            raise EngineError(
+                f"{started} {how}, and the adapter has rank {rank}: set lora_sync='adapter' "
+                "and lora_rank in the config before setup_inference_engine, so the engine "
+                "is built to serve it"
+            )
 
     def _synced(self) -> None:
         """A whole sync landed: the weights are fresh and the version moves on."""

@@ -433,16 +433,7 @@ class SGLangEngine(EngineBase, PromptLimits, TensorParallel, ComputeDtype, Adapt
         it; only the leader holds SGLang."""
         self._check_open()
         self.state.check_update()
-        rank = int(settings.get("r", 0))
-        if self.lora_rank is None or rank > self.lora_rank:
-            built = (
-                "without adapters" if self.lora_rank is None else f"for rank <= {self.lora_rank}"
-            )
-            raise EngineError(
-                f"SGLang was started {built}, and the adapter has rank {rank}: set "
-                "lora_sync='adapter' and lora_rank in the config before "
-                "setup_inference_engine, so SGLang starts with enable_lora"
-            )
+        self._check_adapter_rank(settings, self.lora_rank, "SGLang was started")
         name = f"lightrft-v{self.weight_version + 1}"
         if self.leader:
             self._expect_ok(

@@ -473,16 +473,7 @@ class VLLMEngine(
         id (``LoRARequest(..., load_inplace=True)``); every later generation uses it."""
         self._check_open()
         self.state.check_update()
-        rank = int(settings.get("r", 0))
-        if self.lora_rank is None or rank > self.lora_rank:
-            built = (
-                "without adapters" if self.lora_rank is None else f"for rank <= {self.lora_rank}"
-            )
-            raise EngineError(
-                f"this vLLM engine was built {built}, and the adapter has rank {rank}: set "
-                "lora_sync='adapter' and lora_rank in the config before "
-                "setup_inference_engine, so the engine is built to serve it"
-            )
+        self._check_adapter_rank(settings, self.lora_rank, "this vLLM engine was built")
         from safetensors.torch import save_file
         from vllm.lora.request import LoRARequest
 
