@@ -73,7 +73,6 @@ def lora_sync_case(cfg: dict[str, Any], model_dir: str, out_dir: str) -> dict[st
     checkpoint under ``out_dir``."""
     from transformers import AutoModelForCausalLM
 
-
     strategy = get_strategy({**cfg, "pretrain": model_dir})
     torch.manual_seed(cfg["seed"])
     with strategy.init_model_context():
@@ -139,6 +138,13 @@ def lora_adapter_sync_case(cfg: dict[str, Any], model_dir: str) -> dict[str, Any
     engine = strategy.inference_engine
     stats, out = _train_sync_generate(strategy, model, optim, sched)
     errors = {}
+    for ids in batches(strategy.get_rank() + 20, strategy.accumulated_gradient):
+        strategy.backward(model(input_ids=ids, labels=ids).loss, model, optim)
+        strategy.optimizer_step(optim, model, sched)
+    try:  # trained since the last sync: the engine's adapter is not the trainer's
+        strategy.verify_engine_weights(model)
+    except Exception as exc:
+        errors["unsynced"] = f"{type(exc).__name__}: {exc}"
     try:
         strategy.update_engine_weights(model, name_map=lambda name: f"other.{name}")
     except LoraError as exc:

@@ -245,6 +245,7 @@ def test_adapter_sync_sends_the_adapter_alone_and_generates_as_the_merged_model(
             n.replace(".default.", ".") for n in adapter
         )
         assert r["settings"]["r"] == LORA["rank"] and r["settings"]["lora_alpha"] == 8
+        assert r["errors"]["unsynced"].startswith("EngineError: the engine's weights are not")
         assert "not in the engine's model: other.model.layers.0" in r["errors"]["names"]
         assert "FakeEngine cannot serve LoRA adapters" in r["errors"]["no_adapters"]
         assert "set lora_sync='merged'" in r["errors"]["no_adapters"]
