@@ -60,16 +60,27 @@ def test_grpo_demo_learns_and_resumes_exactly(backend: list[str], tmp_path: Path
 def test_grpo_demo_learns_with_a_lora_adapter(tmp_path: Path) -> None:
     """--lora_rank 8: a peft adapter is trained (the base frozen) and the HF engine is
     synced merged every step; the reward rises (a LoRA adapter learns slower than the
-    full model at the same step count: a larger learning rate and alpha)."""
-    out = tmp_path / "lora"
-    run_torchrun(
-        GRPO, "--engine_type", "hf", "--steps", "12", "--lora_rank", "8", "--lora_alpha", "32",
-        "--actor_learning_rate", "3e-2", "--min-gain", "0.1", "--out", str(out), timeout=600,
-    )  # fmt: skip
+    full model at the same step count: a larger learning rate and alpha), and --resume
+    after an interruption reproduces the run step for step."""
+    common = ["--engine_type", "hf", "--steps", "12", "--lora_rank", "8", "--lora_alpha", "32",
+              "--actor_learning_rate", "3e-2", "--save-every", "6",
+              "--min-gain", "0.1"]  # fmt: skip
+    out, part = tmp_path / "lora", tmp_path / "part"
+    run_torchrun(GRPO, *common, "--out", str(out), timeout=600)
     rows = _metrics(out)
     assert [r["step"] for r in rows] == list(range(1, 13))
     assert _mean(rows[-3:]) > _mean(rows[:3]) + 0.15, [r["reward_mean"] for r in rows]
     assert all(r["weight_version"] == r["step"] + 1 for r in rows)
+    # interrupted after step 6 and resumed: the LoRA run continues step for step
+    run_torchrun(GRPO, *common, "--stop-after", "6", "--min-gain", "-1", "--out", str(part),
+                 timeout=600)  # fmt: skip
+    run_torchrun(GRPO, *common, "--resume", "--out", str(part), timeout=600)
+    resumed = _metrics(part)
+    assert [r["step"] for r in resumed] == list(range(1, 13))
+    for a, b in zip(rows, resumed, strict=True):
+        assert (a["reward_mean"], a["kl"], a["loss"]) == (b["reward_mean"], b["kl"], b["loss"]), a[
+            "step"
+        ]
 
 
 @pytest.mark.distributed
