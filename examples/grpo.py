@@ -117,6 +117,9 @@ def train(config: StrategyConfig, opts: argparse.Namespace) -> dict[str, Any]:
     if config.lora_rank > 0:  # --lora_rank N: train a peft LoRA adapter, the base frozen
         from lightrft.strategy.lora import apply_lora
 
+        # peft draws lora_A from torch's generator: seeded here, every rank starts the
+        # same adapter whether or not rank 0 has just built the initial model above
+        torch.manual_seed(config.seed)
         actor = apply_lora(actor, config)
     (actor, optim, sched), _, _, reference = strategy.prepare_models_and_optimizers(
         actor, None, None, reference, max_steps=opts.steps

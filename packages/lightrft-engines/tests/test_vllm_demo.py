@@ -49,17 +49,25 @@ def test_grpo_demo_with_vllm_learns_and_resumes_exactly(tmp_path: Path) -> None:
 
 def test_grpo_demo_with_vllm_learns_a_lora_adapter_sent_alone(tmp_path: Path) -> None:
     """--lora_rank 8 --lora_sync adapter: vLLM (built with enable_lora, one TP group of
-    2) gets the adapter alone every step and the reward rises. Not compared across runs:
-    vLLM's CPU LoRA path was seen to sample differently from the second step on in 1 of
-    4 identical runs, so resume is checked on the HF engine (lightrft-strategy's tests)."""
-    out = tmp_path / "lora"
-    run_torchrun(
-        GRPO, "--backend", "fsdp2", "--engine_type", "vllm", "--engine_tp_size", "2",
-        "--engine_max_model_len", "64", "--steps", "20", "--lora_rank", "8",
-        "--lora_alpha", "32", "--actor_learning_rate", "3e-2", "--lora_sync", "adapter",
-        "--verify_engine_sync", "--min-gain", "0.1", "--out", str(out), timeout=800,
-    )  # fmt: skip
-    rows = _metrics(out)
+    2) gets the adapter alone every step, verified; the reward rises, and --resume after
+    an interruption reproduces the run step for step (the resumed run's first sync
+    reloads the restored adapter)."""
+    common = ["--backend", "fsdp2", "--engine_type", "vllm", "--engine_tp_size", "2",
+              "--engine_max_model_len", "64", "--steps", "20", "--lora_rank", "8",
+              "--lora_alpha", "32", "--actor_learning_rate", "3e-2", "--lora_sync", "adapter",
+              "--save-every", "10", "--min-gain", "0.1"]  # fmt: skip
+    full, part = tmp_path / "full", tmp_path / "part"
+    run_torchrun(GRPO, *common, "--verify_engine_sync", "--out", str(full), timeout=800)
+    rows = _metrics(full)
     assert [r["step"] for r in rows] == list(range(1, 21))
     assert _mean(rows[-5:]) > _mean(rows[:5]) + 0.1, [r["reward_mean"] for r in rows]
     assert all(r["weight_version"] == r["step"] + 1 for r in rows)
+    run_torchrun(GRPO, *common, "--stop-after", "10", "--min-gain", "-1", "--out", str(part),
+                 timeout=800)  # fmt: skip
+    run_torchrun(GRPO, *common, "--resume", "--out", str(part), timeout=800)
+    resumed = _metrics(part)
+    assert [r["step"] for r in resumed] == list(range(1, 21))
+    for a, b in zip(rows, resumed, strict=True):
+        assert (a["reward_mean"], a["kl"], a["loss"]) == (b["reward_mean"], b["kl"], b["loss"]), a[
+            "step"
+        ]
