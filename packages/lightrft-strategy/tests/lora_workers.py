@@ -192,3 +192,25 @@ def _train_sync_generate(
         stats.append(strategy.update_engine_weights(model, verify=True))
     greedy = SamplingParams(max_new_tokens=6, temperature=0)
     return stats, strategy.gather_and_generate([PROBE[rank]], greedy)
+
+
+def lora_ema_case(cfg: dict[str, Any], beta: float = 0.9) -> dict[str, Any]:
+    """moving_average of a prepared LoRA model into a prepared copy after each optimizer
+    step, and the same EMA computed on the full states: (EMA state, expected)."""
+    strategy = get_strategy(cfg)
+    model, ema = build(strategy, cfg["seed"]), build(strategy, cfg["seed"])
+    optim = strategy.create_optimizer(model)
+    model, optim, sched = strategy.prepare((model, optim, None))
+    ema = strategy.prepare_model(ema)
+    expected = {k: v.clone() for k, v in strategy.full_state_dict(ema).items()}
+    start = dict(expected)
+    updates = 0
+    for ids in batches(strategy.get_rank(), 2 * strategy.accumulated_gradient):
+        strategy.backward(model(input_ids=ids, labels=ids).loss, model, optim)
+        if strategy.optimizer_step(optim, model, sched):
+            for name, value in strategy.full_state_dict(model).items():
+                expected[name] = beta * expected[name] + (1 - beta) * value
+        updates += strategy.moving_average(model, ema, beta)  # once per step
+    got = strategy.full_state_dict(ema)
+    strategy.close()
+    return {"ema": got, "expected": expected, "updates": updates, "start": start}

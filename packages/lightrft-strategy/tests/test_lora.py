@@ -28,6 +28,12 @@ pytestmark = pytest.mark.timeout(600)
 BACKENDS = [
     pytest.param({"backend": "fsdp2"}, id="fsdp2"),
     pytest.param(
+        {"backend": "deepspeed", "zero_stage": 0}, id="zero0", marks=pytest.mark.deepspeed
+    ),
+    pytest.param(
+        {"backend": "deepspeed", "zero_stage": 1}, id="zero1", marks=pytest.mark.deepspeed
+    ),
+    pytest.param(
         {"backend": "deepspeed", "zero_stage": 2}, id="zero2", marks=pytest.mark.deepspeed
     ),
     pytest.param(
@@ -143,7 +149,24 @@ def test_lora_step_on_two_ranks_equals_peft_in_one_process(backend: dict[str, An
             assert torch.equal(end[name], value), name
 
 
-SYNC_BACKENDS = [BACKENDS[0], BACKENDS[2]]
+SYNC_BACKENDS = [BACKENDS[0], BACKENDS[4]]  # FSDP2, ZeRO-3
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("backend", SYNC_BACKENDS)
+def test_moving_average_of_a_lora_model_equals_ema_on_full_states(
+    backend: dict[str, Any],
+) -> None:
+    cfg = lora_workers.config(**backend)
+    r = run_distributed(lora_workers.lora_ema_case, 2, cfg, init_process_group=False,
+                        timeout=280)[0]  # fmt: skip
+    assert r["updates"] == 2  # two optimizer steps, moving_average after every micro-batch
+    assert r["ema"].keys() == r["expected"].keys()
+    for name, value in r["expected"].items():
+        torch.testing.assert_close(r["ema"][name], value, rtol=1e-6, atol=1e-7, msg=name)
+    # only the adapter moves (a frozen weight only by beta * w + (1 - beta) * w's rounding)
+    moved = [n for n, v in r["ema"].items() if (v - r["start"][n]).abs().max() > 1e-5]
+    assert moved and all(".lora_" in n for n in moved), moved
 
 
 @pytest.mark.distributed
