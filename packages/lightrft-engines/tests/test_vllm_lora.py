@@ -17,7 +17,6 @@ from lightrft.testing.launcher import run_distributed
 from lightrft.testing.models import greedy_reference
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
-peft = pytest.importorskip("peft", reason="the engines(vllm) session installs the lora extra")
 
 PROMPTS = [[5, 17, 99, 3], [42], [7, 7, 7, 7, 7, 7, 7]]
 LORA = {"rank": 8, "alpha": 16, "target_modules": ["q_proj", "v_proj", "up_proj"]}
