@@ -38,13 +38,11 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).parent))
-from weight_sync import qwen2_config
+from _common import timed  # benchmarks/ is sys.path[0] when a script here runs
+from weight_sync import qwen2_config  # the same ~100M Qwen2
 
 
 def parse_args() -> argparse.Namespace:
@@ -59,15 +57,6 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--engine", choices=["merged", "adapter"], help=argparse.SUPPRESS)
     return parser.parse_args()
-
-
-def timings(fn: Callable[[], Any], rounds: int) -> list[float]:
-    out = []
-    for _ in range(rounds):
-        t0 = time.perf_counter()
-        fn()
-        out.append((time.perf_counter() - t0) * 1e3)
-    return out
 
 
 def child(args: argparse.Namespace) -> dict[str, Any]:
@@ -109,12 +98,16 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
 
     def row(kind: str, model: Any, rounds: int) -> None:
         stats = strategy.update_engine_weights(model, verify=True)  # checked once
-        timed = [strategy.update_engine_weights(model, verify=False) for _ in range(rounds)]
-        ms = timings(lambda: strategy.update_engine_weights(model, verify=False), rounds)
+        synced: list[dict[str, Any]] = []  # each timed sync's own stats
+
+        def sync() -> None:
+            synced.append(strategy.update_engine_weights(model, verify=False))
+
+        ms = [1e3 * timed(sync) for _ in range(rounds)]
         rows[kind] = {
             "tensors": stats["tensors"], "bytes": stats["bytes"], "ms": ms,
-            "gather_ms": statistics.median(1e3 * t["gather_s"] for t in timed),
-            "load_ms": statistics.median(1e3 * t["load_s"] for t in timed),
+            "gather_ms": statistics.median(1e3 * t["gather_s"] for t in synced),
+            "load_ms": statistics.median(1e3 * t["load_s"] for t in synced),
             "gap": stats["max_logprob_gap"],
         }  # fmt: skip
 
@@ -142,7 +135,7 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
         llm.llm_engine.add_lora(LoRARequest("raw", 2, str(folder), load_inplace=True))
 
     raw()  # vLLM's first load of an id builds its buffers: not timed
-    rows["raw"] = {"tensors": len(ready), "ms": timings(raw, args.rounds),
+    rows["raw"] = {"tensors": len(ready), "ms": [1e3 * timed(raw) for _ in range(args.rounds)],
                    "bytes": sum(t.numel() * t.element_size() for t in ready.values())}  # fmt: skip
     strategy.close()
     return rows
@@ -185,7 +178,7 @@ def main() -> None:
         r = rows[kind]
         print(
             f"  {kind}: gathering (and merging) {r['gather_ms']:.1f} ms, in the engine "
-            f"{r['load_ms']:.1f} ms (medians of {args.rounds} more syncs)"
+            f"{r['load_ms']:.1f} ms (medians of the timed syncs)"
         )
     gaps = {k: rows[k]["gap"] for k in ("full", "merged", "adapter")}
     print("verified (max log-prob gap of the probe): "
