@@ -46,13 +46,24 @@ def test_greedy_equals_transformers_generate_prompt_by_prompt(tiny_model_dir: Pa
     assert len({tuple(e) for e in expected}) > 1  # the model does not ignore its prompt
 
 
-def test_logprobs_are_the_models_own_for_the_sampled_tokens(tiny_model_dir: Path) -> None:
+@pytest.mark.parametrize(("temperature", "top_k"), [(0.8, -1), (0.7, 5)])
+def test_logprobs_are_those_of_the_distribution_sampled_from(
+    tiny_model_dir: Path, temperature: float, top_k: int
+) -> None:
+    """log_softmax(logits / temperature), over the top-k tokens (renormalised) with top-k:
+    what a trainer computes for the same token."""
     engine = _engine(tiny_model_dir)
-    params = SamplingParams(max_new_tokens=6, temperature=0.8, seed=1, logprobs=True)
+    params = SamplingParams(
+        max_new_tokens=6, temperature=temperature, top_k=top_k, seed=1, logprobs=True
+    )
     for out in engine.generate(PROMPTS, params):
         ids = torch.tensor([out.prompt_token_ids + out.output_token_ids])
         with torch.no_grad():
-            logits = engine.model(input_ids=ids).logits[0].log_softmax(-1)
+            logits = engine.model(input_ids=ids).logits[0] / temperature
+        if top_k > 0:
+            kth = logits.topk(top_k, dim=-1).values[:, -1:]
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        logits = logits.log_softmax(-1)
         start = len(out.prompt_token_ids)
         want = [float(logits[start - 1 + j, t]) for j, t in enumerate(out.output_token_ids)]
         assert out.logprobs is not None and len(out.logprobs) == len(out.output_token_ids)

@@ -64,6 +64,18 @@ def _one_process_checks(model_dir: str) -> dict[str, Any]:  # noqa: C901 - one v
         for v, h in zip(vllm_out, hf_out, strict=True)
         for a, b in zip(v.logprobs or [], h.logprobs or [], strict=True)
     )
+    # sampled log-probs are those of the distribution sampled from (temperature applied)
+    warm = engine.generate(PROMPTS, SamplingParams(max_new_tokens=6, temperature=0.7, seed=3,
+                                                  logprobs=True))  # fmt: skip
+    gaps = []
+    for o in warm:
+        with torch.no_grad():
+            ids = torch.tensor([o.prompt_token_ids + o.output_token_ids])
+            logp = (model(input_ids=ids).logits[0] / 0.7).log_softmax(-1)
+        start = len(o.prompt_token_ids)
+        gaps += [abs(float(logp[start - 1 + j, t]) - lp)
+                 for j, (t, lp) in enumerate(zip(o.output_token_ids, o.logprobs or [], strict=True))]  # fmt: skip
+    out["sampled_logprob_gap"] = max(gaps)
     sampled = SamplingParams(max_new_tokens=6, temperature=1.0, n=4, seed=11)
     first = engine.generate(PROMPTS, sampled)
     out["seeded_repeat"] = first == engine.generate(PROMPTS, sampled)
@@ -201,6 +213,7 @@ def test_vllm_equals_hf_and_transformers_and_syncs_weights(tiny_model_dir: Path)
     assert "VLLMEngine cannot sleep here; the strategy skips sleeping" in warning
     assert r["vllm"] == r["hf"] == r["transformers"]
     assert r["logprob_gap"] < 1e-3
+    assert r["sampled_logprob_gap"] < 1e-3  # temperature 0.7, as the trainer computes
     assert r["seeded_repeat"] and r["n_distinct"] > 1
     assert r["n_prompts"] == [p for p in PROMPTS for _ in range(4)]
     assert r["native"] == r["vllm"]

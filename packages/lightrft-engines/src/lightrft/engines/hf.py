@@ -217,11 +217,12 @@ class HFEngine(EngineBase, PromptLimits, WeightShapes, PartialWeightSync):
             do_sample=not greedy,
             temperature=None if greedy else params.temperature,
             top_p=None if greedy else params.top_p,
-            top_k=None if greedy or params.top_k == -1 else params.top_k,
+            # 0 turns transformers' top-k off (None would fall back to its default, 50)
+            top_k=None if greedy else max(params.top_k, 0),
             eos_token_id=stops or None,
             pad_token_id=self.pad_token_id,
             return_dict_in_generate=True,
-            output_logits=params.logprobs,
+            output_scores=params.logprobs,
             **(options or {}),
         )
         with torch.random.fork_rng(devices=self._rng_devices()), torch.no_grad():
@@ -236,7 +237,9 @@ class HFEngine(EngineBase, PromptLimits, WeightShapes, PartialWeightSync):
         new = out.sequences[:, width:].cpu()
         logprobs = None
         if params.logprobs:
-            steps = torch.stack([step.float() for step in out.logits], dim=1).log_softmax(-1)
+            # scores are the logits after the warpers (temperature, top-k, top-p: masked
+            # tokens at -inf), the distribution each token was drawn from
+            steps = torch.stack([step.float() for step in out.scores], dim=1).log_softmax(-1)
             logprobs = steps.gather(-1, new[:, : steps.shape[1]].to(steps.device).unsqueeze(-1))
             logprobs = logprobs.squeeze(-1).cpu()
         results = []

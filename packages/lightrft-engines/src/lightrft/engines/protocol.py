@@ -124,8 +124,13 @@ class SamplingParams:
 
     ``top_k=-1`` disables top-k; ``temperature=0`` is greedy decoding; ``seed`` makes
     sampling reproducible; ``logprobs=True`` returns the log-probability of each sampled
-    token (from the raw logits, before temperature and top-k/top-p);
-    ``native`` passes engine-specific parameters through unchanged
+    token under the distribution it was sampled from: ``log_softmax(logits / temperature)``
+    (penalties passed in ``native`` included), what a trainer computes for the same token
+    at the same temperature. With top-k or top-p, the HF, vLLM and fake engines report it
+    over the kept tokens, renormalised (the exact sampling distribution); SGLang reports it
+    over the whole vocabulary, before truncation (and at temperature 1 where its
+    ``SGLANG_RETURN_ORIGINAL_LOGPROB`` environment variable is set). At ``temperature=0``
+    (greedy) every engine reports temperature-1 log-probabilities. ``native`` passes engine-specific parameters through unchanged
     (``{"repetition_penalty": 1.1}`` for vLLM, say).
     """
 

@@ -219,6 +219,9 @@ class VLLMEngine(
             "enable_sleep_mode": sleep_mode,
             "skip_tokenizer_init": not _has_tokenizer(path),
             "enforce_eager": not spec.on_cuda,
+            # log-probs of the distribution each token was sampled from (after temperature
+            # and top-k/top-p), as the other engines report them; vLLM's default is raw
+            "logprobs_mode": "processed_logprobs",
         }
         if spec.max_model_len is not None:
             kwargs["max_model_len"] = spec.max_model_len

@@ -36,11 +36,14 @@ def _logits(policy: nn.Module, sequences: torch.Tensor) -> torch.Tensor:
     return logits[:, -1].float().cpu()
 
 
-def _pick(logits: torch.Tensor, sampling: SamplingParams, generator: torch.Generator) -> int:
-    """One token from one row of logits: greedy at temperature 0, else temperature,
-    top-k and top-p, then a draw."""
+def _pick(logits: torch.Tensor, sampling: SamplingParams, generator: torch.Generator) -> tuple[int, float]:
+    """One token from one row of logits, and its log-probability under the distribution it
+    was drawn from: greedy at temperature 0 (the log-probability at temperature 1, as
+    vLLM and SGLang report it), else temperature, top-k and top-p (renormalised over the
+    kept tokens), then a draw."""
     if sampling.temperature == 0:
-        return int(logits.argmax())
+        token = int(logits.argmax())
+        return token, float(torch.log_softmax(logits, dim=-1)[token])
     scores = logits / sampling.temperature
     if 0 < sampling.top_k < scores.numel():
         kth = torch.topk(scores, sampling.top_k).values[-1]
@@ -51,7 +54,9 @@ def _pick(logits: torch.Tensor, sampling: SamplingParams, generator: torch.Gener
         # keep the smallest prefix whose mass reaches top_p (the first token always)
         drop = ordered.cumsum(0) - ordered >= sampling.top_p
         probs = probs.scatter(0, order, ordered.masked_fill(drop, 0.0))
-    return int(torch.multinomial(probs, 1, generator=generator))
+        probs = probs / probs.sum()
+    token = int(torch.multinomial(probs, 1, generator=generator))
+    return token, float(probs[token].log())
 
 
 @torch.no_grad()
@@ -81,14 +86,13 @@ def sample_completions(
         done = [False] * n
         for _ in range(sampling.max_new_tokens):
             logits = _logits(policy, sequences)
-            log_softmax = torch.log_softmax(logits, dim=-1)
             step: list[int] = []
             for k in range(n):
-                token = _pick(logits[k], sampling, generators[k])
+                token, logprob = _pick(logits[k], sampling, generators[k])
                 step.append(token)
                 if not done[k]:
                     tokens[k].append(token)
-                    logprobs[k].append(float(log_softmax[k, token]))
+                    logprobs[k].append(logprob)
                     done[k] = token in stops
             if all(done):
                 break
