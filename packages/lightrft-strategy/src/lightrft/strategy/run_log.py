@@ -1,0 +1,153 @@
+"""What a training run writes for the people reading it: one JSON line per step
+(``metrics.jsonl``), TensorBoard scalars (the config's ``use_tensorboard``), a progress
+bar (tqdm) and a plot of every logged quantity (matplotlib).
+
+Only rank 0 writes or draws; on other ranks :class:`RunLog` does nothing, so a trainer
+calls it on every rank. It needs the ``tracking`` extra
+(``pip install 'lightrft-strategy[tracking]'``: tensorboard, matplotlib, tqdm).
+
+    log = RunLog(out, rank=strategy.get_rank(), steps=200, tensorboard=config.use_tensorboard)
+    for step in range(1, 201):
+        ...
+        log.log(step, {"reward": r, "kl": kl})
+    log.close()
+    plot_metrics(read_metrics(out / "metrics.jsonl"), out / "plot.png", PANELS)
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import math
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+__all__ = ["RunLog", "plot_metrics", "read_metrics"]
+
+_EXTRA = "pip install 'lightrft-strategy[tracking]'"
+
+
+def _need(module: str) -> Any:
+    try:
+        return importlib.import_module(module)
+    except ImportError as exc:
+        raise ImportError(f"{module} is needed for the run log: {_EXTRA}") from exc
+
+
+def read_metrics(path: Path) -> list[dict[str, Any]]:
+    """The rows of a ``metrics.jsonl``, in order."""
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+class RunLog:
+    """Rank 0's record of a run under ``out``: ``metrics.jsonl``, TensorBoard event files
+    (``tensorboard``: False, True for ``out/tensorboard``, or a directory, as upstream's
+    ``use_tensorboard``) and a tqdm bar over ``steps`` steps.
+
+    ``first`` is the first step this process runs: on a resumed run (``first > 1``) the
+    lines and TensorBoard points of steps ``>= first`` left by the interrupted run are
+    dropped, so every step appears once.
+    """
+
+    def __init__(
+        self,
+        out: Path,
+        *,
+        rank: int,
+        steps: int,
+        first: int = 1,
+        tensorboard: bool | str = False,
+        description: str = "train",
+    ) -> None:
+        self.active = rank == 0
+        self._done = first - 1
+        self.path = out / "metrics.jsonl"
+        self.tensorboard_dir: Path | None = None
+        self._writer: Any = None
+        tqdm = _need("tqdm")
+        self._bar = tqdm.tqdm(total=steps, initial=first - 1, desc=description,
+                              disable=not self.active, dynamic_ncols=True)  # fmt: skip
+        if not self.active:
+            return
+        out.mkdir(parents=True, exist_ok=True)
+        kept = read_metrics(self.path)[: first - 1] if first > 1 and self.path.exists() else []
+        self.path.write_text("".join(json.dumps(row) + "\n" for row in kept))
+        if tensorboard:
+            self.tensorboard_dir = (
+                out / "tensorboard" if tensorboard is True else Path(str(tensorboard))
+            )
+            writer = _need("torch.utils.tensorboard").SummaryWriter
+            # purge_step: points a resumed run rewrites are hidden from the interrupted one
+            self._writer = writer(str(self.tensorboard_dir), purge_step=first if first > 1 else None)
+
+    def log(self, step: int, row: Mapping[str, Any]) -> None:
+        """Append ``row`` (with ``step``) to ``metrics.jsonl``, write its numbers to
+        TensorBoard under their keys and advance the bar; a no-op off rank 0."""
+        if not self.active:
+            return
+        record = {"step": step, **row}
+        with self.path.open("a") as f:
+            f.write(json.dumps(record) + "\n")
+        numbers = {k: float(v) for k, v in row.items()
+                   if isinstance(v, int | float) and not isinstance(v, bool)}  # fmt: skip
+        if self._writer is not None:
+            for key, value in numbers.items():
+                self._writer.add_scalar(key, value, step)
+            self._writer.flush()
+        shown = {k: f"{numbers[k]:.3g}" for k in list(numbers)[:4]}
+        self._bar.set_postfix(shown, refresh=False)
+        self._bar.update(max(0, step - self._done))  # a step-0 row (before training) adds none
+        self._done = max(self._done, step)
+
+    def write(self, message: str) -> None:
+        """A line above the bar (rank 0 only)."""
+        if self.active:
+            self._bar.write(message)
+
+    def close(self) -> None:
+        self._bar.close()
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+
+
+def plot_metrics(
+    rows: Sequence[Mapping[str, Any]],
+    path: Path,
+    panels: Mapping[str, Sequence[str]],
+    *,
+    title: str | None = None,
+) -> Path:
+    """One panel per kind of quantity: ``panels`` maps a panel's y-axis label (with its
+    unit) to the metric keys drawn in it, each a labelled line against ``step``. Keys
+    absent from every row are left out; a metric logged only on some steps (an
+    evaluation) is drawn with markers at those steps."""
+    matplotlib = _need("matplotlib")
+    matplotlib.use("Agg")
+    pyplot = _need("matplotlib.pyplot")
+    shown = {label: [k for k in keys if any(k in r for r in rows)] for label, keys in panels.items()}
+    shown = {label: keys for label, keys in shown.items() if keys}
+    columns = 2 if len(shown) > 1 else 1
+    lines = max(1, math.ceil(len(shown) / columns))
+    figure, axes = pyplot.subplots(lines, columns, figsize=(6 * columns, 3 * lines),
+                                   squeeze=False, sharex=True)  # fmt: skip
+    for ax, (label, keys) in zip(axes.flat, shown.items(), strict=False):
+        for key in keys:
+            points = [(r["step"], r[key]) for r in rows if key in r and r[key] is not None]
+            sparse = len(points) < len(rows)
+            ax.plot(*zip(*points, strict=True), marker="o" if sparse else None, label=key)
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize="small")
+    for ax in axes.flat[len(shown) :]:
+        ax.set_visible(False)
+    for ax in axes[-1]:
+        ax.set_xlabel("step")
+    if title:
+        figure.suptitle(title)
+    figure.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=100)
+    pyplot.close(figure)
+    return path
