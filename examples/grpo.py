@@ -281,23 +281,30 @@ class Run:
         advantages = group_advantages(rewards, group)
         batch = Batch([(prompts[i // group], list(o.output_token_ids))
                        for i, o in enumerate(outputs)], self.pad)  # fmt: skip
-        engine_logp = batch.spread([list(o.logprobs or []) for o in outputs])
+        # an engine that returns no log-probs (the fake engine's output rule) gets no
+        # mismatch metrics and no correction
+        engine_logp = (
+            batch.spread([list(o.logprobs) for o in outputs])  # type: ignore[arg-type]
+            if all(o.logprobs is not None for o in outputs) else None
+        )  # fmt: skip
 
         def loss_of(part: Batch, start: int) -> tuple[torch.Tensor, dict[str, float]]:
             stop = start + len(part.ids)
             logp, entropy = token_logprobs(self.actor, part, opts.temperature, entropy=True)
             with torch.no_grad():
                 ref_logp, _ = token_logprobs(self.reference, part, opts.temperature)
-            engine = engine_logp[start:stop].to(logp.device)
             adv = advantages[start:stop].to(logp.device).unsqueeze(-1)
             weight: torch.Tensor | float = 1.0
-            if opts.tis_cap > 0:  # truncated importance sampling: trainer / engine, capped
-                weight = truncated_importance_weights(logp, engine, opts.tis_cap, part.mask)
+            gap: dict[str, float] = {}
+            if engine_logp is not None:
+                engine = engine_logp[start:stop].to(logp.device)
+                gap = logprob_mismatch(engine, logp, part.mask)
+                if opts.tis_cap > 0:  # truncated importance sampling: trainer/engine, capped
+                    weight = truncated_importance_weights(logp, engine, opts.tis_cap, part.mask)
             log_ratio = ref_logp - logp
             kl = masked_mean(log_ratio.exp() - log_ratio - 1, part.mask)  # k3, >= 0
             # on-policy: the gradient of the clipped ratio at 1 is the gradient of logp
             loss = -masked_mean(weight * adv * logp, part.mask) + opts.kl_coef * kl
-            gap = logprob_mismatch(engine, logp, part.mask)
             return loss, {"loss": float(loss.detach()), "kl": float(kl.detach()),
                           "entropy": float(masked_mean(entropy, part.mask)),  # type: ignore[arg-type]
                           **{k: float(v) for k, v in gap.items() if k != "tokens"}}  # fmt: skip
@@ -306,9 +313,11 @@ class Run:
         generated = sum(len(o.output_token_ids) for o in outputs)
         row = {"phase": "rl", "reward": self._reduce(rewards.mean())}
         for key in ("loss", "kl", "entropy", "logprob_abs_diff", "rollout_kl"):
-            row[key] = self._mean(parts, key)
-        row["logprob_max_abs_diff"] = float(self.strategy.all_reduce(
-            torch.tensor(max(p["logprob_max_abs_diff"] for p in parts)), op="max"))  # fmt: skip
+            if key in parts[0]:
+                row[key] = self._mean(parts, key)
+        if "logprob_max_abs_diff" in parts[0]:
+            row["logprob_max_abs_diff"] = float(self.strategy.all_reduce(
+                torch.tensor(max(p["logprob_max_abs_diff"] for p in parts)), op="max"))  # fmt: skip
         row |= {
             "response_length": self._reduce(generated / len(outputs)),
             "tokens_per_s": self._reduce(generated / generate_s) * self.replicas,

@@ -1,5 +1,6 @@
 """The main job (examples/grpo.py, the README's first command) shortened. One warm-up
-(the fake strategy, in one process) gives the model every test starts RL from
+(the fake strategy, in one process: examples/warm_start.py) gives the model every test
+starts RL from
 (``--pretrain`` a saved model, ``--sft-steps 0``); RL then raises its held-out
 accuracy on every strategy that runs on CPU with the HF engine, the rollout log-probs
 match the trainer's, TensorBoard holds what metrics.jsonl holds, and --resume
@@ -8,7 +9,6 @@ reproduces the uninterrupted run step for step."""
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -37,23 +37,13 @@ def _accuracy(rows: list[dict[str, Any]]) -> dict[int, float]:
 
 
 @pytest.fixture(scope="module")
-def warm_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The supervised warm-up alone (150 steps, fake strategy and engine): its model."""
-    out = tmp_path_factory.mktemp("warm")
-    subprocess.run(
-        [sys.executable, str(GRPO), "--backend", "fake", "--engine_type", "fake",
-         "--sft-steps", "150", "--steps", "0", "--out", str(out)],
-        check=True, timeout=600, env={**_env(), "OMP_NUM_THREADS": "2"},
-    )  # fmt: skip
-    accuracy = _accuracy(_metrics(out))
-    assert accuracy[0] < 0.05 < 0.2 < accuracy[150], accuracy  # the warm-up learned, partly
-    return out / "sft_model"
+def warm_model() -> Path:
+    """The supervised warm-up's model (150 steps on the fake strategy; once per checkout,
+    examples/warm_start.py, which checks that it learned)."""
+    sys.path.insert(0, str(GRPO.parent))
+    from warm_start import warm_model
 
-
-def _env() -> dict[str, str]:
-    import os
-
-    return dict(os.environ)
+    return warm_model()
 
 
 def _rl(warm: Path, *args: str) -> list[str]:
@@ -130,13 +120,13 @@ def test_rl_runs_as_a_two_node_job_with_a_sleeping_engine(warm_model: Path, tmp_
     update_engine_weights wakes it, and the check that the engine generates from the
     trainer's weights runs at every sync."""
     nodes = run_torchrun(
-        GRPO, *_rl(warm_model, "--steps", "10", "--eval-every", "10"), "--out", str(tmp_path),
+        GRPO, *_rl(warm_model, "--steps", "20", "--eval-every", "20"), "--out", str(tmp_path),
         "--enable_engine_sleep", "--verify_engine_sync",
         nnodes=2, nproc_per_node=1, timeout=500,
     )  # fmt: skip
     assert len(nodes) == 2
     accuracy = _accuracy(_metrics(tmp_path))
-    assert accuracy[10] > accuracy[0], accuracy
+    assert accuracy[20] > accuracy[0], accuracy
 
 
 @pytest.mark.distributed

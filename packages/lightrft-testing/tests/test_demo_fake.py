@@ -1,6 +1,8 @@
-"""The main job (examples/grpo.py) on the fake strategy, in one process: with the HF
-engine and with the fake engine (which samples from the model the demo names, its
-weights replaced by every sync) it learns, and resumes exactly."""
+"""The main job (examples/grpo.py) on the fake strategy, in one process. It reads
+problems from JSONL files (``--prompts``/``--eval-prompts``, as a real data set would
+come); RL from the warm-up's saved model (``--pretrain``) raises
+held-out accuracy with the HF engine and with the fake engine (which samples from the
+synced weights), and resumes exactly."""
 
 from __future__ import annotations
 
@@ -13,13 +15,14 @@ from typing import Any
 import pytest
 
 GRPO = Path(__file__).resolve().parents[3] / "examples" / "grpo.py"
+SAME = ("reward", "loss", "kl", "entropy", "logprob_abs_diff", "held_out_accuracy")
 
 
 def _run(*args: str) -> None:
     done = subprocess.run(
         [sys.executable, str(GRPO), "--backend", "fake", *args],
         capture_output=True, text=True, timeout=600,
-        env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"},
+        env={"OMP_NUM_THREADS": "2", "PATH": "/usr/bin:/bin"},
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
 
@@ -28,47 +31,102 @@ def _metrics(out: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
-@pytest.mark.timeout(600)
-def test_fake_strategy_with_the_hf_engine_learns(tmp_path: Path) -> None:
-    _run("--engine_type", "hf", "--steps", "12", "--out", str(tmp_path))
-    rewards = [r["reward_mean"] for r in _metrics(tmp_path)]
-    assert sum(rewards[-3:]) / 3 > sum(rewards[:3]) / 3 + 0.2, rewards
+def _accuracy(rows: list[dict[str, Any]]) -> dict[int, float]:
+    return {r["step"]: r["held_out_accuracy"] for r in rows if "held_out_accuracy" in r}
+
+
+@pytest.fixture(scope="module")
+def problems(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """The built-in task written as JSONL, ``{"prompt", "answer"}`` per line (with the
+    task's careless answers for the warm-up)."""
+    sys.path.insert(0, str(GRPO.parent))
+    import arithmetic
+
+    folder = tmp_path_factory.mktemp("problems")
+    train, held_out = arithmetic.addition_problems(30, 200, seed=42)
+    return (arithmetic.write_jsonl(train, folder / "train.jsonl"),
+            arithmetic.write_jsonl(held_out, folder / "held_out.jsonl"))  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def warm_model() -> Path:
+    """The supervised warm-up's model (examples/warm_start.py: 150 steps, this strategy
+    and the fake engine; once per checkout)."""
+    sys.path.insert(0, str(GRPO.parent))
+    from warm_start import warm_model
+
+    return warm_model()
+
+
+def test_problems_come_from_jsonl_files(problems: tuple[Path, Path], tmp_path: Path) -> None:
+    """``--prompts``/``--eval-prompts``: the problems of a data set's JSONL (the warm-up
+    trains on their answers, RL grades with the integer checker)."""
+    _run("--engine_type", "fake", "--prompts", str(problems[0]), "--eval-prompts",
+         str(problems[1]), "--sft-steps", "3", "--steps", "2", "--min-gain", "-1",
+         "--out", str(tmp_path))  # fmt: skip
+    rows = _metrics(tmp_path)
+    assert [r["phase"] for r in rows] == ["start", "sft", "sft", "sft", "rl", "rl"]
+    assert set(_accuracy(rows)) == {0, 3, 5}
+    assert (tmp_path / "sft_model" / "tokenizer.json").is_file()
+
+
+def _rl(warm: Path, *args: str) -> list[str]:
+    return ["--pretrain", str(warm), "--sft-steps", "0", "--min-gain", "-1", *args]
 
 
 @pytest.mark.timeout(600)
-def test_fake_strategy_and_fake_engine_learn_and_resume_exactly(tmp_path: Path) -> None:
-    fake = ["--engine_type", "fake", "--min-gain", "-1", "--save-every", "3", "--steps", "12"]
+def test_fake_strategy_with_the_hf_engine_raises_held_out_accuracy(
+    warm_model: Path, tmp_path: Path
+) -> None:
+    _run(*_rl(warm_model, "--engine_type", "hf", "--steps", "20", "--eval-every", "10"),
+         "--out", str(tmp_path))  # fmt: skip
+    rows = _metrics(tmp_path)
+    accuracy = _accuracy(rows)
+    assert accuracy[20] > accuracy[0], accuracy
+    # fp32 HF engine and trainer in one process: the gap is rounding
+    assert all(r["logprob_max_abs_diff"] < 1e-3 for r in rows[1:])
+
+
+@pytest.mark.timeout(900)
+def test_fake_strategy_and_fake_engine_learn_and_resume_exactly(
+    warm_model: Path, tmp_path: Path
+) -> None:
+    fake = _rl(warm_model, "--engine_type", "fake", "--save-every", "10", "--steps", "20",
+               "--eval-every", "10")  # fmt: skip
     _run(*fake, "--out", str(tmp_path / "full"))
-    _run(*fake, "--stop-after", "6", "--out", str(tmp_path / "part"))
+    _run(*fake, "--stop-after", "10", "--out", str(tmp_path / "part"))
     _run(*fake, "--resume", "--out", str(tmp_path / "part"))
     full, resumed = _metrics(tmp_path / "full"), _metrics(tmp_path / "part")
-    rewards = [r["reward_mean"] for r in full]
-    assert sum(rewards[-3:]) / 3 > sum(rewards[:3]) / 3 + 0.2, rewards
-    assert [r["step"] for r in full] == [r["step"] for r in resumed] == list(range(1, 13))
+    accuracy = _accuracy(full)
+    assert accuracy[20] > accuracy[0], accuracy
+    assert all(r["logprob_max_abs_diff"] < 1e-3 for r in full[1:])  # the fake samples the policy
+    assert [r["step"] for r in full] == [r["step"] for r in resumed] == list(range(21))
     for a, b in zip(full, resumed, strict=True):
-        assert (a["reward_mean"], a["kl"], a["loss"]) == (b["reward_mean"], b["kl"], b["loss"])
+        assert {k: a.get(k) for k in SAME} == {k: b.get(k) for k in SAME}, a["step"]
 
 
 @pytest.mark.timeout(600)
-def test_the_fake_engine_keeps_its_output_rule_when_asked(tmp_path: Path) -> None:
+def test_the_fake_engine_keeps_its_output_rule_when_asked(warm_model: Path, tmp_path: Path) -> None:
     """``sample_from_model=False``: completions by the documented rule, not from the
-    model, so the policy cannot learn from them (the reward stays near its start)."""
+    model, so they are never right and carry no log-probs (no mismatch is logged)."""
     config = tmp_path / "grpo.yaml"  # the demo's settings, and an engine option
     config.write_text(
         (GRPO.parent / "grpo.yaml").read_text() + "engine_options: {sample_from_model: false}\n"
     )
-    _run("--config", str(config), "--engine_type", "fake", "--min-gain", "-1", "--steps", "6",
+    _run("--config", str(config), *_rl(warm_model, "--engine_type", "fake", "--steps", "3"),
          "--out", str(tmp_path / "run"))  # fmt: skip
-    rewards = [r["reward_mean"] for r in _metrics(tmp_path / "run")]
-    assert len(rewards) == 6 and max(rewards) < 0.35, rewards
+    rows = _metrics(tmp_path / "run")[1:]
+    assert len(rows) == 3 and max(r["reward"] for r in rows) < 0.1, rows
+    assert not any("logprob_abs_diff" in r for r in rows)
 
 
 @pytest.mark.timeout(600)
-def test_the_demo_runs_with_a_level_2_sleeping_engine(tmp_path: Path) -> None:
-    """A level-2 sleep discards the engine's weights: the demo syncs before it generates,
-    so each generation has the weights (it failed at step 1 when it synced after
-    training)."""
-    _run("--engine_type", "fake", "--min-gain", "-1", "--steps", "3", "--out", str(tmp_path),
+def test_the_demo_runs_with_a_level_2_sleeping_engine(warm_model: Path, tmp_path: Path) -> None:
+    """A level-2 sleep discards the engine's weights: the demo syncs before it generates
+    (and before it evaluates), so each generation has the weights (it failed at step 1
+    when it synced after training)."""
+    _run(*_rl(warm_model, "--engine_type", "fake", "--steps", "3"), "--out", str(tmp_path),
          "--enable_engine_sleep", "--engine_sleep_level", "2")  # fmt: skip
-    rows = _metrics(tmp_path)
-    assert [r["weight_version"] for r in rows] == [2, 3, 4]  # setup's sync, then each step's
+    rows = _metrics(tmp_path)[1:]
+    versions = [r["weight_version"] for r in rows]
+    assert len(rows) == 3 and versions == sorted(set(versions)), versions

@@ -71,7 +71,9 @@ class RunLog:
         if not self.active:
             return
         out.mkdir(parents=True, exist_ok=True)
-        kept = read_metrics(self.path)[: first - 1] if first > 1 and self.path.exists() else []
+        kept = []
+        if first > 1 and self.path.exists():
+            kept = [row for row in read_metrics(self.path) if row.get("step", 0) < first]
         self.path.write_text("".join(json.dumps(row) + "\n" for row in kept))
         if tensorboard:
             self.tensorboard_dir = (
@@ -121,8 +123,8 @@ def plot_metrics(
 ) -> Path:
     """One panel per kind of quantity: ``panels`` maps a panel's y-axis label (with its
     unit) to the metric keys drawn in it, each a labelled line against ``step``. Keys
-    absent from every row are left out; a metric logged only on some steps (an
-    evaluation) is drawn with markers at those steps."""
+    absent from every row are left out; a metric with at most 30 points (an
+    evaluation every few steps) is drawn with a marker at each."""
     matplotlib = _need("matplotlib")
     matplotlib.use("Agg")
     pyplot = _need("matplotlib.pyplot")
@@ -135,8 +137,7 @@ def plot_metrics(
     for ax, (label, keys) in zip(axes.flat, shown.items(), strict=False):
         for key in keys:
             points = [(r["step"], r[key]) for r in rows if key in r and r[key] is not None]
-            sparse = len(points) < len(rows)
-            ax.plot(*zip(*points, strict=True), marker="o" if sparse else None, label=key)
+            ax.plot(*zip(*points, strict=True), marker="o" if len(points) <= 30 else None, label=key)
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
         ax.legend(fontsize="small")
