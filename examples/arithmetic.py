@@ -57,9 +57,11 @@ def is_correct(completion: str, answer: int) -> bool:
     return integer_answer(completion) == answer
 
 
-def addition_problems(limit: int, held_out: int, seed: int) -> tuple[list[dict[str, Any]], ...]:
-    """Every ``a+b=`` with ``a, b < limit`` (zero-padded: ``07+25=``), shuffled by ``seed``: ``held_out`` of them for
-    evaluation only, the rest for training."""
+def addition_problems(
+    limit: int, held_out: int, seed: int
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Every ``a+b=`` with ``a, b < limit`` (zero-padded: ``07+25=``), shuffled by
+    ``seed``: ``held_out`` of them for evaluation only, the rest for training."""
     pairs = [(a, b) for a in range(limit) for b in range(limit)]
     random.Random(seed).shuffle(pairs)
     if not 0 < held_out < len(pairs):

@@ -153,7 +153,9 @@ class Run:
             )
         self.per_replica = config.train_batch_size // self.replicas
         self.train_set, self.held_out = self._problems()
-        model_dir = Path(opts.pretrain or config.get_extra_arg("pretrain") or self.out / "initial_model")
+        model_dir = Path(
+            opts.pretrain or config.get_extra_arg("pretrain") or self.out / "initial_model"
+        )
         if self.rank == 0 and not (model_dir / "config.json").exists():
             arithmetic.build_tiny_model(model_dir, config.seed)
         strategy.barrier()
@@ -173,8 +175,9 @@ class Run:
             actor = apply_lora(actor, config)
         self.total = opts.sft_steps + opts.steps
         (self.actor, self.optim, self.sched), _, _, self.reference = (
-            strategy.prepare_models_and_optimizers(actor, None, None, reference,
-                                                   max_steps=self.total)  # fmt: skip
+            strategy.prepare_models_and_optimizers(
+                actor, None, None, reference, max_steps=self.total
+            )
         )
         strategy.setup_inference_engine(config, actor=self.actor)
 
@@ -182,7 +185,9 @@ class Run:
         """The warm-up's result, in Hugging Face format (merged, for a LoRA actor), with
         its tokenizer: ``out/sft_model``, a ``--pretrain`` for later runs and the RL
         phase's reference."""
-        self.strategy.save_model(self.actor, self.tokenizer, self.out / "sft_model", merge_lora=True)
+        self.strategy.save_model(
+            self.actor, self.tokenizer, self.out / "sft_model", merge_lora=True
+        )
 
     def adopt_reference(self) -> None:
         """The RL phase's reference model is the warm-up's result (so a resumed RL phase
@@ -230,9 +235,13 @@ class Run:
         """Supervised warm-up: cross-entropy of the answers (and EOS) given the prompts."""
         problems = self.draw(step, self.per_replica)
         draws = torch.rand(len(problems), generator=self._generator(step, salt=7)).tolist()
-        rows = [(self.encode(p["prompt"]),
-                 [*self.encode(arithmetic.demonstration(p, self.opts.careless_demos, d)), self.eos])
-                for p, d in zip(problems, draws, strict=True)]  # fmt: skip
+        rows = [
+            (
+                self.encode(p["prompt"]),
+                [*self.encode(arithmetic.demonstration(p, self.opts.careless_demos, d)), self.eos],
+            )
+            for p, d in zip(problems, draws, strict=True)
+        ]
         batch = Batch(rows, self.pad)
 
         def loss_of(part: Batch, start: int) -> tuple[torch.Tensor, dict[str, float]]:
@@ -247,13 +256,16 @@ class Run:
         """Greedy accuracy on the held-out problems (each replica grades its share)."""
         self.strategy.update_engine_weights(self.actor)
         mine = self.held_out[self.replica :: self.replicas]
-        greedy = SamplingParams(max_new_tokens=self.opts.new_tokens, temperature=0,
-                                stop_token_ids=(self.eos,))  # fmt: skip
+        greedy = SamplingParams(
+            max_new_tokens=self.opts.new_tokens, temperature=0, stop_token_ids=(self.eos,)
+        )
         outputs = self.strategy.gather_and_generate(
             [self.encode(p["prompt"]) for p in mine], greedy, sleep_engine=True
         )
-        right = sum(arithmetic.is_correct(self._text(o.output_token_ids), p["answer"])
-                    for o, p in zip(outputs, mine, strict=True))  # fmt: skip
+        right = sum(
+            arithmetic.is_correct(self._text(o.output_token_ids), p["answer"])
+            for o, p in zip(outputs, mine, strict=True)
+        )
         totals = self.strategy.all_reduce(torch.tensor([float(right), float(len(mine))]), op="sum")
         return float(totals[0] / totals[1])
 
@@ -264,9 +276,13 @@ class Run:
         opts, config, group = self.opts, self.config, self.group
         problems = self.draw(step, self.per_replica // group)
         sampling = SamplingParams(
-            max_new_tokens=opts.new_tokens, temperature=opts.temperature, n=group,
-            seed=config.seed * 100_003 + step, stop_token_ids=(self.eos,), logprobs=True,
-        )  # fmt: skip
+            max_new_tokens=opts.new_tokens,
+            temperature=opts.temperature,
+            n=group,
+            seed=config.seed * 100_003 + step,
+            stop_token_ids=(self.eos,),
+            logprobs=True,
+        )
         # with enable_engine_sleep the engine sleeps while the trainer trains (its memory
         # freed): the sync wakes it (weights, then KV cache), generation sleeps it again
         sync = self.strategy.update_engine_weights(self.actor)
@@ -274,19 +290,25 @@ class Run:
         prompts = [self.encode(p["prompt"]) for p in problems]
         outputs = self.strategy.gather_and_generate(prompts, sampling, sleep_engine=True)
         generate_s = time.perf_counter() - t0
-        rewards = torch.tensor([
-            float(arithmetic.is_correct(self._text(o.output_token_ids), problems[i // group]["answer"]))
-            for i, o in enumerate(outputs)
-        ])  # fmt: skip
+        answers = [problems[i // group]["answer"] for i in range(len(outputs))]
+        rewards = torch.tensor(
+            [
+                float(arithmetic.is_correct(self._text(o.output_token_ids), answer))
+                for o, answer in zip(outputs, answers, strict=True)
+            ]
+        )
         advantages = group_advantages(rewards, group)
-        batch = Batch([(prompts[i // group], list(o.output_token_ids))
-                       for i, o in enumerate(outputs)], self.pad)  # fmt: skip
+        batch = Batch(
+            [(prompts[i // group], list(o.output_token_ids)) for i, o in enumerate(outputs)],
+            self.pad,
+        )
         # an engine that returns no log-probs (the fake engine's output rule) gets no
         # mismatch metrics and no correction
         engine_logp = (
             batch.spread([list(o.logprobs) for o in outputs])  # type: ignore[arg-type]
-            if all(o.logprobs is not None for o in outputs) else None
-        )  # fmt: skip
+            if all(o.logprobs is not None for o in outputs)
+            else None
+        )
 
         def loss_of(part: Batch, start: int) -> tuple[torch.Tensor, dict[str, float]]:
             stop = start + len(part.ids)
@@ -305,9 +327,12 @@ class Run:
             kl = masked_mean(log_ratio.exp() - log_ratio - 1, part.mask)  # k3, >= 0
             # on-policy: the gradient of the clipped ratio at 1 is the gradient of logp
             loss = -masked_mean(weight * adv * logp, part.mask) + opts.kl_coef * kl
-            return loss, {"loss": float(loss.detach()), "kl": float(kl.detach()),
-                          "entropy": float(masked_mean(entropy, part.mask)),  # type: ignore[arg-type]
-                          **{k: float(v) for k, v in gap.items() if k != "tokens"}}  # fmt: skip
+            return loss, {
+                "loss": float(loss.detach()),
+                "kl": float(kl.detach()),
+                "entropy": float(masked_mean(entropy, part.mask)),  # type: ignore[arg-type]
+                **{k: float(v) for k, v in gap.items() if k != "tokens"},
+            }
 
         parts, train_s = self.train_rows(batch, loss_of)
         generated = sum(len(o.output_token_ids) for o in outputs)
@@ -316,14 +341,19 @@ class Run:
             if key in parts[0]:
                 row[key] = self._mean(parts, key)
         if "logprob_max_abs_diff" in parts[0]:
-            row["logprob_max_abs_diff"] = float(self.strategy.all_reduce(
-                torch.tensor(max(p["logprob_max_abs_diff"] for p in parts)), op="max"))  # fmt: skip
+            row["logprob_max_abs_diff"] = float(
+                self.strategy.all_reduce(
+                    torch.tensor(max(p["logprob_max_abs_diff"] for p in parts)), op="max"
+                )
+            )
         row |= {
             "response_length": self._reduce(generated / len(outputs)),
             "tokens_per_s": self._reduce(generated / generate_s) * self.replicas,
-            "generate_s": generate_s, "train_s": train_s,
-            "sync_s": sync["gather_s"] + sync["load_s"], "weight_version": sync["weight_version"],
-        }  # fmt: skip
+            "generate_s": generate_s,
+            "train_s": train_s,
+            "sync_s": sync["gather_s"] + sync["load_s"],
+            "weight_version": sync["weight_version"],
+        }
         return row
 
     def _reduce(self, value: Any) -> float:
@@ -356,11 +386,21 @@ def train(config: StrategyConfig, opts: argparse.Namespace) -> dict[str, Any]:
             log.warning(
                 "resuming a run of %s steps with %s: the learning-rate schedule now spans %s "
                 "steps, so (unless it is constant) the steps after %s differ from either "
-                "uninterrupted run", client["steps"], run.total, run.total, first - 1,
-            )  # fmt: skip
+                "uninterrupted run",
+                client["steps"],
+                run.total,
+                run.total,
+                first - 1,
+            )
     tensorboard = config.use_tensorboard
-    runlog = RunLog(out, rank=run.rank, steps=run.total, first=first, tensorboard=tensorboard,
-                    description="GRPO")  # fmt: skip
+    runlog = RunLog(
+        out,
+        rank=run.rank,
+        steps=run.total,
+        first=first,
+        tensorboard=tensorboard,
+        description="GRPO",
+    )
     if first == 1:  # the model as it starts (the warm-up's, with --pretrain and --sft-steps 0)
         runlog.log(0, {"phase": "start", "held_out_accuracy": run.evaluate()})
     if opts.sft_steps and first > opts.sft_steps + 1:  # resumed within the RL phase
@@ -378,7 +418,11 @@ def train(config: StrategyConfig, opts: argparse.Namespace) -> dict[str, Any]:
             row = run.sft_step(step)
         row["lr"] = float(run.sched.get_last_lr()[0])
         rl_done = step - opts.sft_steps
-        if step == opts.sft_steps or step == run.total or (rl_done > 0 and rl_done % opts.eval_every == 0):
+        if (
+            step == opts.sft_steps
+            or step == run.total
+            or (rl_done > 0 and rl_done % opts.eval_every == 0)
+        ):
             row["held_out_accuracy"] = run.evaluate()
         runlog.log(step, row)
         if step == opts.sft_steps:
@@ -396,43 +440,88 @@ def train(config: StrategyConfig, opts: argparse.Namespace) -> dict[str, Any]:
 
 def parse(argv: list[str] | None) -> tuple[StrategyConfig, argparse.Namespace]:
     parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
         allow_abbrev=False,
-    )  # fmt: skip
+    )
     add = parser.add_argument
     add("--config", default=str(HERE / "grpo.yaml"), help="YAML or JSON config")
     add("--sft-steps", type=int, default=150, help="supervised warm-up steps before RL")
     add("--steps", type=int, default=80, help="GRPO steps after the warm-up")
     add("--out", type=Path, default=Path("runs/demo"), help="run directory")
     add("--resume", action="store_true", help="continue from the latest checkpoint")
-    add("--stop-after", type=int, default=None, metavar="N",
+    add(
+        "--stop-after",
+        type=int,
+        default=None,
+        metavar="N",
         help="stop after step N (warm-up steps count), as an interrupted run would "
-        "(checkpoint saved; the schedule still spans every step): --resume continues it")  # fmt: skip
-    add("--pretrain", type=Path, default=None,
-        help="a Hugging Face model directory with its tokenizer (default: build the tiny model)")  # fmt: skip
-    add("--prompts", type=Path, default=None,
-        help="JSONL of {prompt, answer}: the problems (default: the built-in addition task)")  # fmt: skip
+        "(checkpoint saved; the schedule still spans every step): --resume continues it",
+    )
+    add(
+        "--pretrain",
+        type=Path,
+        default=None,
+        help="a Hugging Face model directory with its tokenizer (default: build the tiny model)",
+    )
+    add(
+        "--prompts",
+        type=Path,
+        default=None,
+        help="JSONL of {prompt, answer}: the problems (default: the built-in addition task)",
+    )
     add("--eval-prompts", type=Path, default=None, help="JSONL of held-out problems")
     add("--held-out", type=int, default=200, help="problems kept aside for evaluation")
     add("--operand-limit", type=int, default=30, help="built-in task: a+b with a, b below this")
-    add("--careless-demos", type=float, default=0.6,
-        help="built-in task: share of carrying sums whose warm-up demonstration drops the carry")  # fmt: skip
+    add(
+        "--careless-demos",
+        type=float,
+        default=0.6,
+        help="built-in task: share of carrying sums whose warm-up demonstration drops the carry",
+    )
     add("--new-tokens", type=int, default=4, help="most tokens per completion")
     add("--temperature", type=float, default=1.0, help="sampling temperature of rollouts")
     add("--rl-learning-rate", type=float, default=2e-4, help="learning rate of the GRPO steps")
     add("--kl-coef", type=float, default=0.0, help="weight of the KL term to the reference")
-    add("--tis-cap", type=float, default=2.0,
+    add(
+        "--tis-cap",
+        type=float,
+        default=2.0,
         help="truncated importance sampling: weight the loss by min(trainer/engine "
-        "probability, cap); 0 turns it off")  # fmt: skip
+        "probability, cap); 0 turns it off",
+    )
     add("--eval-every", type=int, default=20, help="GRPO steps between held-out evaluations")
     add("--save-every", type=int, default=30)
-    add("--min-gain", type=float, default=0.1,
-        help="fail (exit 1) unless RL raises held-out accuracy by this much")  # fmt: skip
+    add(
+        "--min-gain",
+        type=float,
+        default=0.1,
+        help="fail (exit 1) unless RL raises held-out accuracy by this much",
+    )
     StrategyConfig.add_arguments(parser, suppress_defaults=True)
     given = vars(parser.parse_args(argv))
-    names = ("config", "sft_steps", "steps", "out", "resume", "stop_after", "pretrain", "prompts",
-             "eval_prompts", "held_out", "operand_limit", "careless_demos", "new_tokens", "temperature",
-             "rl_learning_rate", "kl_coef", "tis_cap", "eval_every", "save_every", "min_gain")  # fmt: skip
+    names = (
+        "config",
+        "sft_steps",
+        "steps",
+        "out",
+        "resume",
+        "stop_after",
+        "pretrain",
+        "prompts",
+        "eval_prompts",
+        "held_out",
+        "operand_limit",
+        "careless_demos",
+        "new_tokens",
+        "temperature",
+        "rl_learning_rate",
+        "kl_coef",
+        "tis_cap",
+        "eval_every",
+        "save_every",
+        "min_gain",
+    )
     opts = argparse.Namespace(**{n: given.pop(n) for n in names})
     total = opts.sft_steps + opts.steps
     if opts.stop_after is not None and not 1 <= opts.stop_after <= total:
@@ -457,15 +546,22 @@ def main(argv: list[str] | None = None) -> int:
     accuracy = [(r["step"], r["held_out_accuracy"]) for r in rows if "held_out_accuracy" in r]
     before = next((a for s, a in accuracy if s == opts.sft_steps), accuracy[0][1])
     after = accuracy[-1][1]
-    where = (f"metrics {opts.out / 'metrics.jsonl'}, TensorBoard {result['tensorboard']}, "
-             f"plot {opts.out / 'plot.png'}, last checkpoint {result['checkpoint']}")  # fmt: skip
-    print(f"held-out accuracy {before:.3f} after the warm-up -> {after:.3f} after RL "
-          f"({(after - before) * 100:+.1f} points); {where}")  # fmt: skip
+    where = (
+        f"metrics {opts.out / 'metrics.jsonl'}, TensorBoard {result['tensorboard']}, "
+        f"plot {opts.out / 'plot.png'}, last checkpoint {result['checkpoint']}"
+    )
+    print(
+        f"held-out accuracy {before:.3f} after the warm-up -> {after:.3f} after RL "
+        f"({(after - before) * 100:+.1f} points); {where}"
+    )
     if opts.steps == 0 or (opts.stop_after or math.inf) < opts.sft_steps + opts.steps:
         return 0  # a warm-up alone, or an interrupted run (judged when resumed)
     if math.isnan(after) or after - before < opts.min_gain:
-        log.error("RL did not raise held-out accuracy: %+.3f < --min-gain %.3f", after - before,
-                  opts.min_gain)  # fmt: skip
+        log.error(
+            "RL did not raise held-out accuracy: %+.3f < --min-gain %.3f",
+            after - before,
+            opts.min_gain,
+        )
         return 1
     return 0
 

@@ -73,8 +73,8 @@ def _one_process_checks(model_dir: str) -> dict[str, Any]:  # noqa: C901 - one v
             ids = torch.tensor([o.prompt_token_ids + o.output_token_ids])
             logp = (model(input_ids=ids).logits[0] / 0.7).log_softmax(-1)
         start = len(o.prompt_token_ids)
-        gaps += [abs(float(logp[start - 1 + j, t]) - lp)
-                 for j, (t, lp) in enumerate(zip(o.output_token_ids, o.logprobs or [], strict=True))]  # fmt: skip
+        pairs = zip(o.output_token_ids, o.logprobs or [], strict=True)
+        gaps += [abs(float(logp[start - 1 + j, t]) - lp) for j, (t, lp) in enumerate(pairs)]
     out["sampled_logprob_gap"] = max(gaps)
     sampled = SamplingParams(max_new_tokens=6, temperature=1.0, n=4, seed=11)
     first = engine.generate(PROMPTS, sampled)

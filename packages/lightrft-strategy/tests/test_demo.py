@@ -68,9 +68,12 @@ def test_rl_raises_held_out_accuracy_and_resumes_exactly(
     rl = rows[1:]
     # the HF engine in fp32 samples from the trainer's own distribution: the gap is
     # rounding (measured up to 1.3e-5 nats), far under 1e-3
-    assert all(0 <= r["logprob_max_abs_diff"] < 1e-3 for r in rl), [r["logprob_max_abs_diff"] for r in rl]
+    assert all(0 <= r["logprob_max_abs_diff"] < 1e-3 for r in rl), [
+        r["logprob_max_abs_diff"] for r in rl
+    ]
     assert all(0 <= r["rollout_kl"] < 1e-6 for r in rl)
-    assert all(b["weight_version"] > a["weight_version"] for a, b in zip(rl, rl[1:]))  # synced
+    versions = [r["weight_version"] for r in rl]
+    assert versions == sorted(set(versions)), versions  # a sync every step
     assert (full / "plot.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     _assert_tensorboard_holds(full / "tensorboard", rows)
     run_torchrun(GRPO, *common, "--stop-after", "10", "--out", str(part), timeout=600)

@@ -33,7 +33,13 @@ def test_rank_0_writes_jsonl_and_tensorboard_and_a_resume_rewrites_the_tail(tmp_
         log.log(step, {"reward": step})
     log.close()
     rows = read_metrics(tmp_path / "metrics.jsonl")
-    assert [(r["step"], r.get("reward")) for r in rows] == [(0, None), (1, 0.1), (2, 2), (3, 3), (4, 4)]
+    assert [(r["step"], r.get("reward")) for r in rows] == [
+        (0, None),
+        (1, 0.1),
+        (2, 2),
+        (3, 3),
+        (4, 4),
+    ]
 
 
 def test_other_ranks_write_nothing(tmp_path: Path) -> None:

@@ -130,8 +130,9 @@ class SamplingParams:
     over the kept tokens, renormalised (the exact sampling distribution); SGLang reports it
     over the whole vocabulary, before truncation (and at temperature 1 where its
     ``SGLANG_RETURN_ORIGINAL_LOGPROB`` environment variable is set). At ``temperature=0``
-    (greedy) every engine reports temperature-1 log-probabilities. ``native`` passes engine-specific parameters through unchanged
-    (``{"repetition_penalty": 1.1}`` for vLLM, say).
+    (greedy) every engine reports temperature-1 log-probabilities. ``native`` passes
+    engine-specific parameters through unchanged (``{"repetition_penalty": 1.1}`` for
+    vLLM, say).
     """
 
     max_new_tokens: int = 256

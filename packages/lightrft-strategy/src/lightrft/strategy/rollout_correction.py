@@ -46,9 +46,7 @@ def logprob_mismatch(
     engine = engine_logprobs.detach().float()
     trainer = trainer_logprobs.detach().float().to(engine.device)
     keep = (
-        torch.ones_like(engine, dtype=torch.bool)
-        if mask is None
-        else mask.to(engine.device).bool()
+        torch.ones_like(engine, dtype=torch.bool) if mask is None else mask.to(engine.device).bool()
     )
     count = int(keep.sum())
     if count == 0:

@@ -16,7 +16,6 @@ calls it on every rank. It needs the ``tracking`` extra
 
 from __future__ import annotations
 
-import importlib
 import json
 import math
 from collections.abc import Mapping, Sequence
@@ -28,11 +27,8 @@ __all__ = ["RunLog", "plot_metrics", "read_metrics"]
 _EXTRA = "pip install 'lightrft-strategy[tracking]'"
 
 
-def _need(module: str) -> Any:
-    try:
-        return importlib.import_module(module)
-    except ImportError as exc:
-        raise ImportError(f"{module} is needed for the run log: {_EXTRA}") from exc
+def _missing(exc: ImportError) -> ImportError:
+    return ImportError(f"{exc.name or exc} is needed for the run log: {_EXTRA}")
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:
@@ -65,9 +61,12 @@ class RunLog:
         self.path = out / "metrics.jsonl"
         self.tensorboard_dir: Path | None = None
         self._writer: Any = None
-        tqdm = _need("tqdm")
-        self._bar = tqdm.tqdm(total=steps, initial=first - 1, desc=description,
-                              disable=not self.active, dynamic_ncols=True)  # fmt: skip
+        try:
+            from tqdm import tqdm  # type: ignore[import-untyped, unused-ignore]
+        except ImportError as exc:
+            raise _missing(exc) from exc
+        self._bar = tqdm(total=steps, initial=first - 1, desc=description,
+                         disable=not self.active, dynamic_ncols=True)  # fmt: skip
         if not self.active:
             return
         out.mkdir(parents=True, exist_ok=True)
@@ -79,9 +78,13 @@ class RunLog:
             self.tensorboard_dir = (
                 out / "tensorboard" if tensorboard is True else Path(str(tensorboard))
             )
-            writer = _need("torch.utils.tensorboard").SummaryWriter
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError as exc:  # torch's writer needs the tensorboard package
+                raise _missing(exc) from exc
             # purge_step: points a resumed run rewrites are hidden from the interrupted one
-            self._writer = writer(str(self.tensorboard_dir), purge_step=first if first > 1 else None)
+            purge = first if first > 1 else None
+            self._writer = SummaryWriter(str(self.tensorboard_dir), purge_step=purge)
 
     def log(self, step: int, row: Mapping[str, Any]) -> None:
         """Append ``row`` (with ``step``) to ``metrics.jsonl``, write its numbers to
@@ -125,10 +128,16 @@ def plot_metrics(
     unit) to the metric keys drawn in it, each a labelled line against ``step``. Keys
     absent from every row are left out; a metric with at most 30 points (an
     evaluation every few steps) is drawn with a marker at each."""
-    matplotlib = _need("matplotlib")
-    matplotlib.use("Agg")
-    pyplot = _need("matplotlib.pyplot")
-    shown = {label: [k for k in keys if any(k in r for r in rows)] for label, keys in panels.items()}
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        from matplotlib import pyplot
+    except ImportError as exc:
+        raise _missing(exc) from exc
+    shown = {
+        label: [k for k in keys if any(k in r for r in rows)] for label, keys in panels.items()
+    }
     shown = {label: keys for label, keys in shown.items() if keys}
     columns = 2 if len(shown) > 1 else 1
     lines = max(1, math.ceil(len(shown) / columns))
@@ -137,7 +146,9 @@ def plot_metrics(
     for ax, (label, keys) in zip(axes.flat, shown.items(), strict=False):
         for key in keys:
             points = [(r["step"], r[key]) for r in rows if key in r and r[key] is not None]
-            ax.plot(*zip(*points, strict=True), marker="o" if len(points) <= 30 else None, label=key)
+            ax.plot(
+                *zip(*points, strict=True), marker="o" if len(points) <= 30 else None, label=key
+            )
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
         ax.legend(fontsize="small")

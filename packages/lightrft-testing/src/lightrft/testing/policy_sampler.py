@@ -36,7 +36,9 @@ def _logits(policy: nn.Module, sequences: torch.Tensor) -> torch.Tensor:
     return logits[:, -1].float().cpu()
 
 
-def _pick(logits: torch.Tensor, sampling: SamplingParams, generator: torch.Generator) -> tuple[int, float]:
+def _pick(
+    logits: torch.Tensor, sampling: SamplingParams, generator: torch.Generator
+) -> tuple[int, float]:
     """One token from one row of logits, and its log-probability under the distribution it
     was drawn from: greedy at temperature 0 (the log-probability at temperature 1, as
     vLLM and SGLang report it), else temperature, top-k and top-p (renormalised over the
