@@ -123,7 +123,8 @@ def test_rl_runs_as_a_two_node_job_with_a_sleeping_engine(warm_model: Path, tmp_
     update_engine_weights wakes it, and the check that the engine generates from the
     trainer's weights runs at every sync."""
     nodes = run_torchrun(
-        GRPO, *_rl(warm_model, "--steps", "20", "--eval-every", "20"), "--out", str(tmp_path),
+        GRPO, *_rl(warm_model, "--steps", "20", "--eval-every", "20", "--lr_scheduler",
+                   "cosine_with_min_lr"), "--out", str(tmp_path),
         "--enable_engine_sleep", "--verify_engine_sync",
         nnodes=2, nproc_per_node=1, timeout=500,
     )  # fmt: skip

@@ -130,3 +130,26 @@ def test_the_demo_runs_with_a_level_2_sleeping_engine(warm_model: Path, tmp_path
     rows = _metrics(tmp_path)[1:]
     versions = [r["weight_version"] for r in rows]
     assert len(rows) == 3 and versions == sorted(set(versions)), versions
+
+
+@pytest.mark.parametrize(
+    ("completion", "answer"),
+    [("42", 42), ("so the answer is $1,234.", 1234), ("-7", -7), ("3 then 5", 5),
+     ("no number", None), ("", None)],
+)  # fmt: skip
+def test_the_checker_reads_the_last_integer(completion: str, answer: int | None) -> None:
+    sys.path.insert(0, str(GRPO.parent))
+    import arithmetic
+
+    assert arithmetic.integer_answer(completion) == answer
+    assert arithmetic.is_correct(completion, 42) == (answer == 42)
+
+
+def test_a_problem_file_without_an_integer_answer_is_named(tmp_path: Path) -> None:
+    sys.path.insert(0, str(GRPO.parent))
+    import arithmetic
+
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "1+1=", "answer": 2}\n{"prompt": "why?", "answer": "unknown"}\n')
+    with pytest.raises(ValueError, match=r"bad.jsonl:2: .*integer 'answer'.*'unknown'"):
+        arithmetic.read_problems(bad)
