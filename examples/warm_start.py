@@ -41,6 +41,8 @@ def warm_model(cache: Path | None = None) -> Path:
     accuracy = {r["step"]: r["held_out_accuracy"] for r in rows if "held_out_accuracy" in r}
     if not accuracy[0] < 0.05 < 0.2 < accuracy[SFT_STEPS]:  # learned, partly
         raise AssertionError(f"the warm-up did not learn as it should: {accuracy}")
-    shutil.rmtree(done, ignore_errors=True)
-    work.rename(done)
+    try:
+        work.rename(done)
+    except OSError:  # another session finished the same warm-up first: use that one
+        shutil.rmtree(work, ignore_errors=True)
     return done / "sft_model"

@@ -7,6 +7,7 @@ synced weights), and resumes exactly."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -22,7 +23,8 @@ def _run(*args: str) -> None:
     done = subprocess.run(
         [sys.executable, str(GRPO), "--backend", "fake", *args],
         capture_output=True, text=True, timeout=600,
-        env={"OMP_NUM_THREADS": "2", "PATH": "/usr/bin:/bin"},
+        env={"OMP_NUM_THREADS": "2", "PATH": "/usr/bin:/bin",
+             **{k: v for k, v in os.environ.items() if k == "PYTHONPATH"}},
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
 
