@@ -153,10 +153,12 @@ class Run:
             )
         self.per_replica = config.train_batch_size // self.replicas
         self.train_set, self.held_out = self._problems()
-        model_dir = Path(
-            opts.pretrain or config.get_extra_arg("pretrain") or self.out / "initial_model"
-        )
-        if self.rank == 0 and not (model_dir / "config.json").exists():
+        given = opts.pretrain or config.get_extra_arg("pretrain")
+        model_dir = Path(given or self.out / "initial_model")
+        if given and not (model_dir / "config.json").is_file():
+            raise SystemExit(f"--pretrain {model_dir}: no config.json there; pass a Hugging "
+                             "Face model directory (with its tokenizer)")  # fmt: skip
+        if not given and self.rank == 0 and not (model_dir / "config.json").exists():
             arithmetic.build_tiny_model(model_dir, config.seed)
         strategy.barrier()
         config.extra_args["pretrain"] = str(model_dir)  # the engine loads the same model
@@ -164,6 +166,9 @@ class Run:
 
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.eos = self.tokenizer.eos_token_id
+        if self.eos is None:
+            raise SystemExit(f"the tokenizer of {model_dir} has no eos_token: set one in its "
+                             "tokenizer_config.json (completions end at it)")  # fmt: skip
         self.pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         actor, reference = _load_model(model_dir), _load_model(model_dir)
         if config.lora_rank > 0:  # --lora_rank N: train a peft LoRA adapter, the base frozen

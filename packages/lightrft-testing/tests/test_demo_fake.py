@@ -155,3 +155,14 @@ def test_a_problem_file_without_an_integer_answer_is_named(tmp_path: Path) -> No
     bad.write_text('{"prompt": "1+1=", "answer": 2}\n{"prompt": "why?", "answer": "unknown"}\n')
     with pytest.raises(ValueError, match=r"bad.jsonl:2: .*integer 'answer'.*'unknown'"):
         arithmetic.read_problems(bad)
+
+
+def test_a_pretrain_that_is_no_model_directory_is_named(tmp_path: Path) -> None:
+    done = subprocess.run(
+        [sys.executable, str(GRPO), "--backend", "fake", "--pretrain", str(tmp_path / "none"),
+         "--out", str(tmp_path / "run")],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode != 0
+    assert f"--pretrain {tmp_path / 'none'}: no config.json there" in done.stderr
+    assert not (tmp_path / "none").exists()  # nothing written where the model was expected
