@@ -163,6 +163,10 @@ class Run:
         strategy.barrier()
         config.extra_args["pretrain"] = str(model_dir)  # the engine loads the same model
         from transformers import AutoTokenizer
+        from transformers.utils import logging as transformers_logging
+
+        if self.rank != 0:  # one rank's progress bars are enough (model loading's too)
+            transformers_logging.disable_progress_bar()
 
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.eos = self.tokenizer.eos_token_id
