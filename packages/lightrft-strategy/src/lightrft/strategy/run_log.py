@@ -39,7 +39,7 @@ def read_metrics(path: Path) -> list[dict[str, Any]]:
 class RunLog:
     """Rank 0's record of a run under ``out``: ``metrics.jsonl``, TensorBoard event files
     (``tensorboard``: False, True for ``out/tensorboard``, or a directory, as upstream's
-    ``use_tensorboard``) and a tqdm bar over ``steps`` steps.
+    trainers take ``--use_tensorboard PATH``) and a tqdm bar over ``steps`` steps.
 
     ``first`` is the first step this process runs: on a resumed run (``first > 1``) the
     lines and TensorBoard points of steps ``>= first`` left by the interrupted run are
