@@ -1,6 +1,7 @@
 """The warm-up's model for tests: ``grpo.py --sft-steps 150 --steps 0`` on the fake
 strategy and engine (one process, about a minute on 2 cores), run once per checkout
-and content of the job's files, then reused by every test session.
+and content of the job's files and the packages' sources, then reused by every test
+session.
 
 Tests start RL from it (``--pretrain``, ``--sft-steps 0``), so each strategy and engine
 combination spends its time on RL, not on repeating the same warm-up.
@@ -22,10 +23,18 @@ SFT_STEPS = 150
 _JOB = ("grpo.py", "arithmetic.py", "grpo.yaml")
 
 
+def _digest() -> str:
+    """Of the job's files and every package's source: a warm-up made by other code (a
+    changed strategy or fake engine) is not reused."""
+    files = [HERE / f for f in _JOB]
+    files += sorted((HERE.parent / "packages").glob("*/src/**/*.py"))
+    return hashlib.sha256(b"".join(f.read_bytes() for f in files)).hexdigest()[:16]
+
+
 def warm_model(cache: Path | None = None) -> Path:
     """The directory of the warm-up's model (Hugging Face format, with its tokenizer),
     trained now unless a run of the same job files left it in ``cache``."""
-    digest = hashlib.sha256(b"".join((HERE / f).read_bytes() for f in _JOB)).hexdigest()[:16]
+    digest = _digest()
     cache = cache or HERE.parent / ".cache" / "warm-model"
     done = cache / digest
     if (done / "sft_model" / "config.json").is_file():
