@@ -58,6 +58,7 @@ UPSTREAM_DEFAULTS: dict[str, object] = {
 NEW_FIELDS: dict[str, object] = {
     "backend": None,
     "device": "auto",
+    "dist_timeout_s": 1800.0,
     "engine_mem_util": 0.5,
     "engine_max_model_len": None,
     "verify_engine_sync": False,

@@ -12,7 +12,7 @@ Which fields are read, and where (modules of ``lightrft.strategy`` unless named)
   ``resolved_backend`` (backend, fsdp), ``resolved_precision`` (precision, bf16),
   ``sleep_level`` (enable_engine_sleep, engine_sleep_level).
 * ``registry``: the backend to build (``resolved_backend``).
-* ``base`` (every backend): seed, device, max_norm, micro_train_batch_size, sp_size,
+* ``base`` (every backend): seed, device, dist_timeout_s, max_norm, micro_train_batch_size, sp_size,
   actor_learning_rate, critic_learning_rate, adam_betas, l2, adam_offload; it mirrors
   train_batch_size, bf16, zpg, grad_accum_dtype, overlap_comm and engine_type as
   upstream's read-only strategy attributes.
@@ -304,6 +304,14 @@ class StrategyConfig(BaseModel):
     )
     device: Literal["auto", "cpu", "cuda"] = Field(
         "auto", description="(new) Device: auto picks cuda when available, else cpu."
+    )
+    dist_timeout_s: Float = Field(
+        1800.0,
+        gt=0,
+        description="(new) Seconds a collective may wait for the other ranks: the process "
+        "group, its sub-groups (sequence parallel, engine tensor parallel), weight sync and "
+        "generation. When it fires, the error names the operation and the ranks that did not "
+        "arrive. setup_distributed(timeout=...), upstream's parameter, wins over it.",
     )
 
     # -- new: precision, FSDP2 layout, schedule ----------------------------------------

@@ -545,10 +545,24 @@ def _tp_group(tp_size: int) -> tuple[Any, bool, int]:
         raise EngineError(f"engine_tp_size={tp_size} does not divide the world size {world}")
     mine = None
     for first in range(0, world, tp_size):
-        group = dist.new_group(list(range(first, first + tp_size)), backend="gloo")
+        group = dist.new_group(
+            list(range(first, first + tp_size)), backend="gloo", timeout=_world_timeout()
+        )
         if first <= rank < first + tp_size:
             mine = group
     return mine, rank % tp_size == 0, local_rank
+
+
+def _world_timeout() -> Any:
+    """The default process group's timeout: torch gives a new group its own default (30
+    minutes), not the one the training job set. None (torch's default) when unreadable."""
+    import torch.distributed as dist
+
+    try:
+        backend = dist.group.WORLD._get_backend(torch.device("cpu"))  # type: ignore[union-attr]
+        return backend.options._timeout
+    except (AttributeError, RuntimeError):
+        return None
 
 
 def _free_port() -> int:

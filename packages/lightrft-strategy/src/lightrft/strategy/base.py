@@ -16,6 +16,7 @@ parallelism (``sequence_parallel``, ``ulysses``).
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import datetime
 import gc
@@ -23,7 +24,7 @@ import logging
 import random
 import sys
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -32,7 +33,14 @@ import torch.distributed as dist
 from torch import nn
 
 from lightrft.config import StrategyConfig
-from lightrft.strategy import collectives, distributed, lora, sequence_parallel, ulysses
+from lightrft.strategy import (
+    collectives,
+    distributed,
+    lora,
+    roll_call,
+    sequence_parallel,
+    ulysses,
+)
 from lightrft.strategy.actor import is_actor, training_module
 from lightrft.strategy.backend import Backend, Triple
 from lightrft.strategy.checkpoint.subject import CheckpointSubject, Ranks
@@ -184,7 +192,21 @@ class StrategyBase(UpstreamAttributes, UpstreamEngineCalls):
         self.launch = distributed.LaunchEnv.from_environ()
         self.device = distributed.resolve_device(self.config.device)
         self.config.validate_world_size(self.launch.world_size)  # before any rendezvous
+        if timeout is None:
+            timeout = datetime.timedelta(seconds=self.config.dist_timeout_s)
         self._owns_process_group = distributed.init_process_group(self.launch, self.device, timeout)
+        if self._owns_process_group:
+            _owners.add(self)
+            store = distributed.group_store()
+            if self.launch.world_size > 1 and store is not None:
+                roll_call.set_roll_call(
+                    roll_call.RollCall(
+                        dist.PrefixStore("roll/", store),
+                        self.launch.rank,
+                        self.launch.world_size,
+                        timeout,
+                    )
+                )
         self._finish_setup()
 
     def _finish_setup(self) -> None:
@@ -211,6 +233,15 @@ class StrategyBase(UpstreamAttributes, UpstreamEngineCalls):
             self._accumulated_gradient,
         )
 
+    @contextlib.contextmanager
+    def _collective(self, what: str) -> Iterator[None]:
+        """Run operation ``what``, which talks to the other ranks: set up first, and a
+        timeout or a lost rank raises :class:`~lightrft.strategy.roll_call.CollectiveError`
+        naming the ranks that did not arrive (:mod:`lightrft.strategy.roll_call`)."""
+        self._require_setup(what)
+        with roll_call.guard(what):
+            yield
+
     def _sizes(self) -> StrategyConfig:
         """The config whose parallel sizes (``sp_size``, ``engine_tp_size``) this process
         runs with: ``config`` itself, except where a backend simulates them (the fake)."""
@@ -222,15 +253,28 @@ class StrategyBase(UpstreamAttributes, UpstreamEngineCalls):
         set up. The backend releases what it holds first (DeepSpeed's engines), then
         the engine goes: vLLM's shutdown tears down its own distributed state, the
         default process group included."""
-        self.backend.close()
-        engine, self.inference_engine = self.inference_engine, None
-        if engine is not None:
+        try:
+            self.backend.close()
+            engine, self.inference_engine = self.inference_engine, None
+            if engine is not None:
+                if self._owns_process_group and dist.is_initialized():
+                    with roll_call.guard("close"):
+                        dist.barrier()  # no rank shuts its engine down while another generates
+                engine.shutdown()
             if self._owns_process_group and dist.is_initialized():
-                dist.barrier()  # no rank shuts its engine down while another generates
-            engine.shutdown()
-        if self._owns_process_group and dist.is_initialized():
-            dist.barrier()
-            dist.destroy_process_group()
+                with roll_call.guard("close"):
+                    dist.barrier()
+        finally:
+            self._release()
+
+    def _release(self) -> None:
+        """Leave the process group and forget it, with no collective: what :meth:`close`
+        ends with, and all that interpreter exit does for a strategy never closed."""
+        _owners.discard(self)
+        if self._owns_process_group:
+            roll_call.set_roll_call(None)
+            if dist.is_initialized():
+                dist.destroy_process_group()
         if self._ready:
             sequence_parallel.set_sequence_parallel_group(None)
         self._owns_process_group = False
@@ -263,7 +307,8 @@ class StrategyBase(UpstreamAttributes, UpstreamEngineCalls):
 
     def barrier(self) -> None:
         if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.barrier()
+            with roll_call.guard("barrier"):
+                dist.barrier()
 
     def print(self, *msg: Any) -> None:
         """Log ``msg`` at INFO on rank 0 (logger ``lightrft.strategy.print``). When the
@@ -280,13 +325,13 @@ class StrategyBase(UpstreamAttributes, UpstreamEngineCalls):
     # -- collectives ---------------------------------------------------------------------
     def all_reduce(self, data: Any, op: collectives.ReduceOp = "mean") -> Any:
         """Reduce tensors, numbers or dicts of them over all ranks; same types back."""
-        self._require_setup("all_reduce")
-        return collectives.all_reduce(data, op)
+        with self._collective("all_reduce"):
+            return collectives.all_reduce(data, op)
 
     def all_gather(self, data: Any) -> Any:
         """Gather tensors (concatenated on dim 0), numbers (a list) or dicts of them."""
-        self._require_setup("all_gather")
-        return collectives.all_gather(data)
+        with self._collective("all_gather"):
+            return collectives.all_gather(data)
 
     # -- data ----------------------------------------------------------------------------
     def setup_dataloader(
@@ -521,8 +566,8 @@ class StrategyBase(UpstreamAttributes, UpstreamEngineCalls):
     def backward(self, loss: torch.Tensor, model: nn.Module, optimizer: Any, **kwargs: Any) -> None:
         """Backpropagate ``loss / accumulated_gradient`` (gradients reduced over the
         data-parallel ranks on the last micro-step of an accumulation)."""
-        self._require_setup("backward")
-        self.backend.backward(loss, training_module(model), optimizer, **kwargs)
+        with self._collective("backward"):
+            self.backend.backward(loss, training_module(model), optimizer, **kwargs)
 
     def optimizer_step(
         self,
@@ -537,10 +582,10 @@ class StrategyBase(UpstreamAttributes, UpstreamEngineCalls):
         the scheduler given to :meth:`prepare`). Returns whether the optimizer stepped
         (False between accumulation boundaries and when a non-finite gradient norm
         skipped the step, which :meth:`step_state` records)."""
-        self._require_setup("optimizer_step")
-        return self.backend.optimizer_step(
-            optimizer, training_module(model), scheduler, name, **kwargs
-        )
+        with self._collective("optimizer_step"):
+            return self.backend.optimizer_step(
+                optimizer, training_module(model), scheduler, name, **kwargs
+            )
 
     # -- optimizer offload ---------------------------------------------------------------
     def maybe_offload_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
@@ -728,16 +773,16 @@ class StrategyBase(UpstreamAttributes, UpstreamEngineCalls):
         ``tag`` defaults to ``global_step<N>``; rotation keeps ``max_num`` (default
         ``max_ckpt_num``) checkpoints within ``max_mem`` GiB (default ``max_ckpt_mem``).
         """
-        self._require_setup("save_ckpt")
         from lightrft.strategy.checkpoint.manager import save_checkpoint
 
-        return save_checkpoint(
-            self._checkpoint_subject(model, optimizer, scheduler), self.backend,
-            self.backend_name, self._ranks(), Path(save_dir), tag,
-            max_num if max_num is not None else self.config.max_ckpt_num,
-            max_mem if max_mem is not None else self.config.max_ckpt_mem,
-            client_state or {}, save_latest,
-        )  # fmt: skip
+        with self._collective("save_ckpt"):
+            return save_checkpoint(
+                self._checkpoint_subject(model, optimizer, scheduler), self.backend,
+                self.backend_name, self._ranks(), Path(save_dir), tag,
+                max_num if max_num is not None else self.config.max_ckpt_num,
+                max_mem if max_mem is not None else self.config.max_ckpt_mem,
+                client_state or {}, save_latest,
+            )  # fmt: skip
 
     def load_ckpt(
         self,
@@ -757,15 +802,15 @@ class StrategyBase(UpstreamAttributes, UpstreamEngineCalls):
         checkpoint exists, when it is incomplete or truncated, or when another backend
         wrote it; nothing is loaded in those cases.
         """
-        self._require_setup("load_ckpt")
         from lightrft.strategy.checkpoint.manager import load_checkpoint
 
-        return load_checkpoint(
-            self._checkpoint_subject(model, optimizer, scheduler), self.backend,
-            self.backend_name, self._ranks(), Path(load_dir), tag, load_module_strict,
-            load_optimizer_states and not load_module_only,
-            load_lr_scheduler_states and not load_module_only, module_only=load_module_only,
-        )  # fmt: skip
+        with self._collective("load_ckpt"):
+            return load_checkpoint(
+                self._checkpoint_subject(model, optimizer, scheduler), self.backend,
+                self.backend_name, self._ranks(), Path(load_dir), tag, load_module_strict,
+                load_optimizer_states and not load_module_only,
+                load_lr_scheduler_states and not load_module_only, module_only=load_module_only,
+            )  # fmt: skip
 
     def _checkpoint_subject(
         self, model: nn.Module, optimizer: Any, scheduler: Any
@@ -805,3 +850,20 @@ def _put_back(model: nn.Module, prepared: nn.Module) -> nn.Module:
         model.model = prepared
         return model
     return prepared
+
+
+# The strategies that created the process group they hold. At interpreter exit, one that
+# was never closed leaves its group while the interpreter is whole: a gloo group
+# destroyed during finalisation can abort the process (pytorch/pytorch#190489).
+_owners: weakref.WeakSet[StrategyBase] = weakref.WeakSet()
+
+
+@atexit.register
+def _release_at_exit() -> None:
+    for strategy in list(_owners):
+        with contextlib.suppress(Exception):
+            strategy.backend.close()
+            engine, strategy.inference_engine = strategy.inference_engine, None
+            if engine is not None:
+                engine.shutdown()
+        strategy._release()

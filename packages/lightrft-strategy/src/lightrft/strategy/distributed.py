@@ -13,7 +13,7 @@ import os
 import socket
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -146,10 +146,77 @@ def process_group_backend(device: torch.device) -> str:
     return "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
 
 
+_job_stores: dict[tuple[str, int], dist.Store] = {}
+_generation = 0
+_timeout: datetime.timedelta | None = None
+_store: dist.Store | None = None
+
+
+def _agent_serves(host: str, port: int) -> bool:
+    """Whether torchrun's agent hosts the store at ``host:port`` (then no rank does)."""
+    return (
+        os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True)
+        and os.environ.get("MASTER_ADDR") == host
+        and os.environ.get("MASTER_PORT") == str(port)
+    )
+
+
+def generation_store(launch: LaunchEnv, port: int, timeout: datetime.timedelta) -> dist.Store:
+    """The store of this process group's generation: the job's rendezvous store under a
+    prefix that is new for every group this process creates.
+
+    The job's store (torchrun's agent's, or one rank 0 hosts) is made once per process
+    and kept: closing a strategy never tears it down, so a rank that builds its next
+    strategy before another rank has finished closing the last one reaches a live store,
+    and the new prefix keeps the last group's keys (gloo's peer addresses) out of the
+    new group's rendezvous. Every rank counts its groups the same way, so the prefixes
+    agree. A world of one gets a private store.
+    """
+    global _generation
+    host = launch.master_addr
+    if launch.launcher == "single":
+        job_store: dist.Store = dist.TCPStore(
+            host, port, None, True, timeout, wait_for_workers=False, multi_tenant=True
+        )
+    else:
+        job_store = _job_stores.get((host, port))  # type: ignore[assignment]
+        if job_store is None:
+            job_store = dist.TCPStore(
+                host,
+                port,
+                None,
+                launch.rank == 0 and not _agent_serves(host, port),
+                timeout,
+                wait_for_workers=False,
+                multi_tenant=True,
+            )
+            _job_stores[(host, port)] = job_store
+    _generation += 1
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return dist.PrefixStore(f"lightrft/{restart}/{_generation}/", job_store)
+
+
+def collective_timeout() -> datetime.timedelta:
+    """The timeout of the process group this module created (torch's default else)."""
+    return _timeout or DEFAULT_TIMEOUT
+
+
+def group_store() -> dist.Store | None:
+    """The store of the process group this module created last (None if none)."""
+    return _store
+
+
+def new_group(ranks: list[int], backend: str | None = None) -> Any:
+    """``dist.new_group`` with the process group's timeout: torch gives a new group its
+    own default (30 minutes), not the timeout the default group was created with."""
+    return dist.new_group(ranks, timeout=collective_timeout(), backend=backend)
+
+
 def init_process_group(
     launch: LaunchEnv, device: torch.device, timeout: datetime.timedelta | None = None
 ) -> bool:
     """Join (or create) the default process group. Returns whether this call created it."""
+    global _timeout, _store
     if device.type == "cuda":
         torch.cuda.set_device(launch.local_rank % max(1, torch.cuda.device_count()))
     if dist.is_initialized():
@@ -167,13 +234,16 @@ def init_process_group(
         port = launch.master_port or find_free_port()
         os.environ.setdefault("MASTER_ADDR", launch.master_addr)
         os.environ.setdefault("MASTER_PORT", str(port))
+    timeout = timeout or DEFAULT_TIMEOUT
+    store = generation_store(launch, port, timeout)
     dist.init_process_group(
         backend=process_group_backend(device),
-        init_method=f"tcp://{launch.master_addr}:{port}",
+        store=dist.PrefixStore("pg", store),
         rank=launch.rank,
         world_size=launch.world_size,
-        timeout=timeout or DEFAULT_TIMEOUT,
+        timeout=timeout,
     )
+    _timeout, _store = timeout, store
     logger.debug(
         "rank %d/%d joined %s group via %s",
         launch.rank,

@@ -27,6 +27,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from lightrft.strategy import distributed
+
 _SEQUENCE_PARALLEL_GROUP: Any = None
 #: The default process group the group above belongs to: once that world is destroyed
 #: (a strategy closed, or a test tore the group down) the group is gone with it.
@@ -77,7 +79,7 @@ def build_sequence_parallel_groups(sp_size: int) -> Any:
         raise ValueError(f"sp_size={sp_size} does not divide the world size {world}")
     mine = None
     for first in range(0, world, sp_size):
-        group = dist.new_group(list(range(first, first + sp_size)))
+        group = distributed.new_group(list(range(first, first + sp_size)))
         if first <= rank < first + sp_size:
             mine = group
     set_sequence_parallel_group(mine)

@@ -20,6 +20,7 @@ from typing import Any
 import torch.distributed as dist
 from torch import nn
 
+from lightrft.strategy import distributed
 from lightrft.strategy.engine_link.common import (
     EngineHost,
     capabilities_module,
@@ -69,7 +70,7 @@ class EngineLink(WeightSyncCalls):
         self._engine_group = None
         if dist.is_initialized() and tp > 1:
             for first in range(0, self.world_size, tp):  # every rank creates every group
-                group = dist.new_group(list(range(first, first + tp)))
+                group = distributed.new_group(list(range(first, first + tp)))
                 if first == self._engine_group_ranks[0]:
                     self._engine_group = group
         self.inference_engine = engine

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 
+from lightrft.strategy import roll_call
 from lightrft.strategy.engine_link.common import limits, protocol_module
 from lightrft.strategy.engine_link.sleep import SleepCalls
 
@@ -45,7 +46,8 @@ class GenerationCalls(SleepCalls):
         if refused is None:
             self._wake(None, blind=False)
         try:
-            return self._gather_generate(list(prompts), sampling, refused=refused)
+            with roll_call.guard("generate"):
+                return self._gather_generate(list(prompts), sampling, refused=refused)
         finally:  # a refused prompt too: the trainer gets the memory back
             if sleep_after:
                 self.maybe_sleep_inference_engine()

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightrft.strategy import lora
+from lightrft.strategy import lora, roll_call
 from lightrft.strategy.actor import training_module
 from lightrft.strategy.engine_link.adapter_sync import AdapterSyncCalls
 from lightrft.strategy.engine_link.common import (
@@ -116,6 +116,20 @@ class WeightSyncCalls(AdapterSyncCalls):
         one); with ``verify``, also ``max_logprob_gap``. Without an engine it logs a
         warning and returns ``{}``, as upstream's base class does."""
         self._require_setup("update_engine_weights")
+        with roll_call.guard("update_engine_weights"):
+            return self._update_engine_weights(
+                model, bucket_bytes=bucket_bytes, name_map=name_map, dtype=dtype, verify=verify
+            )
+
+    def _update_engine_weights(
+        self,
+        model: nn.Module,
+        *,
+        bucket_bytes: int,
+        name_map: Callable[[str], str | None] | None,
+        dtype: torch.dtype | None,
+        verify: bool | None,
+    ) -> dict[str, Any]:
         engine = self.inference_engine
         if engine is None:  # as upstream's: a trainer without rollouts carries on
             logger.warning(
