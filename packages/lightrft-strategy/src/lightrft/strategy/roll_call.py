@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import functools
 import os
 import socket
 from collections.abc import Iterator
@@ -20,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch.distributed as dist
+from torch import nn
 
 # Words of the errors a collective raises when a peer is slow or gone (gloo, NCCL, the
 # store); an error without any of them is the operation's own and passes unchanged.
@@ -93,10 +95,11 @@ class RollCall:
         return self._seq
 
     @contextlib.contextmanager
-    def guard(self, operation: str) -> Iterator[None]:
+    def guard(self, operation: str, arrive: bool = True) -> Iterator[None]:
         """Run a collective operation: arrive, then turn a timeout or lost peer into a
         :class:`CollectiveError` naming the ranks that did not arrive. Nested guards
-        (an operation made of others) count once, under the outermost name."""
+        (an operation made of others) count once, under the outermost name.
+        ``arrive=False``: part of the operation last arrived at (no store write)."""
         if self._depth:
             self._depth += 1
             try:
@@ -104,7 +107,7 @@ class RollCall:
             finally:
                 self._depth -= 1
             return
-        seq = self.arrive(operation)
+        seq = self.arrive(operation) if arrive else self._seq
         self._depth = 1
         try:
             yield
@@ -198,12 +201,42 @@ def current() -> RollCall | None:
 
 
 @contextlib.contextmanager
-def guard(operation: str) -> Iterator[None]:
+def guard(operation: str, arrive: bool = True) -> Iterator[None]:
     """:meth:`RollCall.guard` of the current roll call; without one (no process group,
     or a world of one), just run."""
     roll_call = _current
     if roll_call is None or not dist.is_initialized():
         yield
         return
-    with roll_call.guard(operation):
+    with roll_call.guard(operation, arrive):
         yield
+
+
+def guard_fsdp_forward(module: nn.Module, root: bool) -> None:
+    """Gather an FSDP2 unit's parameters for forward under the guard ("forward"), so a
+    rank missing from that all-gather is named too: FSDP2 gathers in a pre-forward hook,
+    outside any strategy call. The root arrives; the blocks inside its forward do not
+    (one store write per forward). The root's first forward, before FSDP2 has set the
+    root up, gathers unguarded."""
+
+    def gather(unit: nn.Module, args: Any) -> None:
+        del args
+        if root and getattr(unit._get_fsdp_state(), "_is_root", None) is None:
+            return  # FSDP2's lazy root setup first (in its own pre-forward hook)
+        with guard("forward", arrive=root):
+            unit.unshard()  # type: ignore[operator]
+
+    module.register_forward_pre_hook(gather, prepend=True)
+
+
+def guard_forward(module: nn.Module) -> None:
+    """Run ``module``'s forward under the guard ("forward"): for a DeepSpeed ZeRO-3
+    engine, whose parameters are gathered by hooks inside its forward."""
+    forward = module.forward
+
+    @functools.wraps(forward)
+    def guarded(*args: Any, **kwargs: Any) -> Any:
+        with guard("forward"):
+            return forward(*args, **kwargs)
+
+    module.forward = guarded  # type: ignore[method-assign]

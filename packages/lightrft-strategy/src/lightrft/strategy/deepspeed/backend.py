@@ -25,6 +25,7 @@ from deepspeed.runtime.engine import DeepSpeedEngine
 from torch import nn
 from torch.utils._pytree import tree_map
 
+from lightrft.strategy import roll_call
 from lightrft.strategy.actor import training_module
 from lightrft.strategy.backend import Backend, Triple
 from lightrft.strategy.checkpoint.layout import METADATA_FILE, CheckpointError
@@ -246,6 +247,8 @@ class DeepSpeedBackend(Backend):
             model=model, config=config, dist_init_required=False, **kwargs
         )
         safe_checkpoint.install(engine)
+        if engine.zero_optimization_stage() == 3:  # its forward gathers parameters
+            roll_call.guard_forward(engine)
         self._engines.add(engine)
         return engine, optimizer, scheduler
 

@@ -12,6 +12,7 @@ from torch.distributed.fsdp import (
     fully_shard,
 )
 
+from lightrft.strategy import roll_call
 from lightrft.strategy.precision import compute_dtype
 
 
@@ -79,4 +80,5 @@ def shard_model(
             offload_policy=offload,
             reshard_after_forward=after_forward,
         )
+        roll_call.guard_fsdp_forward(module, root=module is model)
     return model
