@@ -324,6 +324,16 @@ def demo(session: nox.Session) -> None:
 
 
 @nox.session(python=DEFAULT_PYTHON)
+def stress(session: nox.Session) -> None:
+    """Not in the default run: 50 FSDP2 and 50 ZeRO-3 launches of a train-save-exit
+    script under torchrun and 20 two-node ones (loopback), counting clean exits. The
+    suite's short version is lightrft-strategy's tests/test_launches.py. Flags after
+    `--` go to tools/stress_launches.py (--launches, --two-node, --rebuilds...)."""
+    sync(session, "lightrft-strategy", "--extra", "deepspeed", "--group", "test", bytecode=True)
+    session.run("python", "tools/stress_launches.py", *session.posargs)
+
+
+@nox.session(python=DEFAULT_PYTHON)
 def bench(session: nox.Session) -> None:
     """Benchmarks (not tests): print our figures beside the raw approach's, with ratios."""
     sync(session, "lightrft-strategy", "--extra", "deepspeed")

@@ -24,16 +24,13 @@ from lightrft.strategy import get_strategy
 from lightrft.strategy.roll_call import CollectiveError
 from lightrft.testing import FakeEngine
 from lightrft.testing.models import RegressionTask, TinyRegressor
-
 from tests import workers
 
 PHASES = ("step", "save", "sync", "generate")
 
 
 def fault_config(timeout_s: float, **changes: Any) -> dict[str, Any]:
-    return workers.config(
-        train_batch_size=4, engine_tp_size=2, dist_timeout_s=timeout_s, **changes
-    )
+    return workers.config(train_batch_size=4, engine_tp_size=2, dist_timeout_s=timeout_s, **changes)
 
 
 def _die(out: Path, where: str) -> None:

@@ -13,7 +13,6 @@ import pytest
 import torch
 
 from lightrft.testing.launcher import RankFailure, run_distributed
-
 from tests import fault_workers, workers
 
 TIMEOUT_S = 20.0  # the collective timeout of the killed-rank jobs

@@ -54,11 +54,3 @@ def main(out: Path) -> None:
 
 if __name__ == "__main__":
     main(Path(sys.argv[1]))
-    # Leave without interpreter finalisation, as the spawned ranks of run_distributed do
-    # (multiprocessing ends its children with os._exit): once in about ten CI runs a
-    # torch/gloo background thread still joinable at static destruction aborted the
-    # process ("terminate called without an active exception") after all the work and
-    # the report were done.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)

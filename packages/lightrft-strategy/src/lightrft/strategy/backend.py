@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from lightrft.strategy.optim import build_adamw
@@ -57,6 +58,10 @@ class Backend(ABC):
     def close(self) -> None:  # noqa: B027 a hook with nothing to do by default
         """Release what the backend holds; run by ``strategy.close()`` before it shuts
         the engine down and leaves the process group."""
+
+    def destroy_process_group(self) -> None:
+        """Leave the process group the strategy created (every group goes with it)."""
+        dist.destroy_process_group()
 
     # -- building and wrapping -----------------------------------------------------------
     @abstractmethod

@@ -197,11 +197,11 @@ class StrategyBase(UpstreamAttributes, UpstreamEngineCalls):
         self._owns_process_group = distributed.init_process_group(self.launch, self.device, timeout)
         if self._owns_process_group:
             _owners.add(self)
-            store = distributed.group_store()
+            store = distributed.group_store("roll/")
             if self.launch.world_size > 1 and store is not None:
                 roll_call.set_roll_call(
                     roll_call.RollCall(
-                        dist.PrefixStore("roll/", store),
+                        store,
                         self.launch.rank,
                         self.launch.world_size,
                         timeout,
@@ -274,7 +274,7 @@ class StrategyBase(UpstreamAttributes, UpstreamEngineCalls):
         if self._owns_process_group:
             roll_call.set_roll_call(None)
             if dist.is_initialized():
-                dist.destroy_process_group()
+                self.backend.destroy_process_group()
         if self._ready:
             sequence_parallel.set_sequence_parallel_group(None)
         self._owns_process_group = False
@@ -867,3 +867,4 @@ def _release_at_exit() -> None:
             if engine is not None:
                 engine.shutdown()
         strategy._release()
+    distributed.release_job_stores()

@@ -17,6 +17,11 @@ from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
+from torch.distributed import (  # type: ignore[attr-defined]  # re-exported from torch._C
+    PrefixStore,
+    Store,
+    TCPStore,
+)
 
 from lightrft.config import ConfigError, ConfigProblem
 
@@ -146,10 +151,10 @@ def process_group_backend(device: torch.device) -> str:
     return "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
 
 
-_job_stores: dict[tuple[str, int], dist.Store] = {}
+_job_stores: dict[tuple[str, int], Store] = {}
 _generation = 0
 _timeout: datetime.timedelta | None = None
-_store: dist.Store | None = None
+_store: Store | None = None
 
 
 def _agent_serves(host: str, port: int) -> bool:
@@ -161,7 +166,7 @@ def _agent_serves(host: str, port: int) -> bool:
     )
 
 
-def generation_store(launch: LaunchEnv, port: int, timeout: datetime.timedelta) -> dist.Store:
+def generation_store(launch: LaunchEnv, port: int, timeout: datetime.timedelta) -> Store:
     """The store of this process group's generation: the job's rendezvous store under a
     prefix that is new for every group this process creates.
 
@@ -175,13 +180,15 @@ def generation_store(launch: LaunchEnv, port: int, timeout: datetime.timedelta) 
     global _generation
     host = launch.master_addr
     if launch.launcher == "single":
-        job_store: dist.Store = dist.TCPStore(
+        job_store: Store = TCPStore(
             host, port, None, True, timeout, wait_for_workers=False, multi_tenant=True
         )
     else:
-        job_store = _job_stores.get((host, port))  # type: ignore[assignment]
-        if job_store is None:
-            job_store = dist.TCPStore(
+        cached = _job_stores.get((host, port))
+        if cached is not None:
+            job_store = cached
+        else:
+            job_store = TCPStore(
                 host,
                 port,
                 None,
@@ -193,7 +200,15 @@ def generation_store(launch: LaunchEnv, port: int, timeout: datetime.timedelta) 
             _job_stores[(host, port)] = job_store
     _generation += 1
     restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    return dist.PrefixStore(f"lightrft/{restart}/{_generation}/", job_store)
+    return PrefixStore(f"lightrft/{restart}/{_generation}/", job_store)
+
+
+def release_job_stores() -> None:
+    """Drop the job stores this process made (rank 0's server stops): at exit only, as
+    a later strategy of the job would need them."""
+    global _store
+    _job_stores.clear()
+    _store = None
 
 
 def collective_timeout() -> datetime.timedelta:
@@ -201,9 +216,10 @@ def collective_timeout() -> datetime.timedelta:
     return _timeout or DEFAULT_TIMEOUT
 
 
-def group_store() -> dist.Store | None:
-    """The store of the process group this module created last (None if none)."""
-    return _store
+def group_store(prefix: str) -> Store | None:
+    """The store of the process group this module created last, under ``prefix``
+    (None if none)."""
+    return None if _store is None else PrefixStore(prefix, _store)
 
 
 def new_group(ranks: list[int], backend: str | None = None) -> Any:
@@ -238,7 +254,7 @@ def init_process_group(
     store = generation_store(launch, port, timeout)
     dist.init_process_group(
         backend=process_group_backend(device),
-        store=dist.PrefixStore("pg", store),
+        store=PrefixStore("pg", store),
         rank=launch.rank,
         world_size=launch.world_size,
         timeout=timeout,

@@ -219,12 +219,12 @@ def guard_fsdp_forward(module: nn.Module, root: bool) -> None:
     (one store write per forward). The root's first forward, before FSDP2 has set the
     root up, gathers unguarded."""
 
-    def gather(unit: nn.Module, args: Any) -> None:
+    def gather(unit: Any, args: Any) -> None:
         del args
         if root and getattr(unit._get_fsdp_state(), "_is_root", None) is None:
             return  # FSDP2's lazy root setup first (in its own pre-forward hook)
         with guard("forward", arrive=root):
-            unit.unshard()  # type: ignore[operator]
+            unit.unshard()
 
     module.register_forward_pre_hook(gather, prepend=True)
 
@@ -239,4 +239,4 @@ def guard_forward(module: nn.Module) -> None:
         with guard("forward"):
             return forward(*args, **kwargs)
 
-    module.forward = guarded  # type: ignore[method-assign]
+    module.forward = guarded

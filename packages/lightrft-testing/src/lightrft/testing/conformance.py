@@ -188,10 +188,16 @@ def _spec_examples(cfg: dict[str, Any], backend: dict[str, Any]) -> dict[str, An
     """The specification's examples 1 and 2, one after the other in this rank (the
     second joins the group the first made: re-creating a group on the same port at
     once races with the ranks still tearing the old one down)."""
+    import torch.distributed as dist
+
     from lightrft.testing import spec_examples
 
     first = spec_examples.run_example_1(cfg, micro_batches=4, close=False)
-    return {"example_1": first, "example_2": spec_examples.run_example_2(backend)}
+    second = spec_examples.run_example_2(backend)
+    # example 2 ends in torch's new_group, which has no barrier: without one here,
+    # rank 0 (the rendezvous store's host) can leave while rank 1 still reads the store
+    dist.barrier()
+    return {"example_1": first, "example_2": second}
 
 
 def _load_error(cfg: dict[str, Any], load_dir: str) -> tuple[str, bool]:

@@ -19,7 +19,6 @@ to unpickle tensors among the results.
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import faulthandler
 import logging
@@ -195,14 +194,6 @@ def _rank_main(
         conn.send_bytes(message)
     finally:
         conn.close()
-    # Leave without the C++ teardown: the result is delivered, and torch/gloo can abort
-    # in static destruction ("terminate called without an active exception", SIGABRT)
-    # after a clean run; two clean-clone CI runs failed on exactly that. Python's atexit
-    # handlers still run.
-    atexit._run_exitfuncs()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
 
 
 def _stop_processes(procs: list[BaseProcess]) -> None:

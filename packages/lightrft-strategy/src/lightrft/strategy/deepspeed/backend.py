@@ -13,6 +13,7 @@ import json
 import logging
 import math
 import os
+import sys
 import weakref
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -642,6 +643,18 @@ class DeepSpeedBackend(Backend):
                 adapt_adam_state(base)
 
     # -- teardown ------------------------------------------------------------------------
+    def destroy_process_group(self) -> None:
+        """Through ``deepspeed.comm`` once DeepSpeed has used the group: DeepSpeed caches
+        the groups it made (``deepspeed.utils.groups``: world clone, data parallel...)
+        and its own ``destroy_process_group`` releases them. torch's alone leaves them
+        behind, and the next strategy's ``deepspeed.initialize`` in the same process
+        fails on the dead group ("Group ... is not registered", DeepSpeed 0.19.8)."""
+        comm = sys.modules.get("deepspeed.comm.comm")  # where cdb is assigned
+        if comm is not None and getattr(comm, "cdb", None) is not None:
+            comm.destroy_process_group()
+        else:
+            dist.destroy_process_group()
+
     def close(self) -> None:
         """Release every engine (before the strategy leaves the process group, DeepSpeed's
         order) and take back the ``LOCAL_RANK`` setup put in the environment."""
