@@ -157,3 +157,29 @@ def stuck_rank_case(cfg: dict[str, Any], stall_s: float) -> dict[str, Any]:
             "message": str(error),
         }
     return {"rank": rank, "waited_s": time.monotonic() - start, "operation": None}
+
+
+def _timeout_s(group: Any) -> float:
+    return float(group._get_backend(torch.device("cpu")).options._timeout.total_seconds())
+
+
+def group_timeouts_case(cfg: dict[str, Any], setup_timeout_s: float | None) -> dict[str, float]:
+    """The timeouts of the groups a strategy makes: the process group, the
+    sequence-parallel group, the engine's tensor-parallel group."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from lightrft.strategy import sequence_parallel
+
+    strategy = get_strategy(cfg, defer_setup=True)
+    timeout = None if setup_timeout_s is None else datetime.timedelta(seconds=setup_timeout_s)
+    strategy.setup_distributed(timeout=timeout)
+    strategy.setup_inference_engine(FakeEngine(vocab_size=16))
+    found = {
+        "world": _timeout_s(dist.group.WORLD),
+        "sequence_parallel": _timeout_s(sequence_parallel.get_sequence_parallel_group()),
+        "engine_tp": _timeout_s(strategy.engine_link.engine_group),
+    }
+    strategy.close()
+    return found

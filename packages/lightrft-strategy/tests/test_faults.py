@@ -73,3 +73,18 @@ def test_a_stalled_rank_fails_the_others_within_the_timeout_with_a_roll_call() -
     assert message.startswith("optimizer_step #"), message
     assert "failed on rank 0 of 2: rank 1 last reached backward #" in message
     assert "The collective timeout is 3 s" in message and "dist_timeout_s" in message
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize(("setup_timeout_s", "expected"), [(None, 42.0), (17.0, 17.0)])
+def test_every_group_the_strategy_makes_has_its_timeout(
+    setup_timeout_s: float | None, expected: float
+) -> None:
+    """torch gives a new_group 30 minutes whatever the process group's timeout; the
+    strategy's sub-groups take dist_timeout_s (or setup_distributed's timeout)."""
+    cfg = workers.config(dist_timeout_s=42.0, sp_size=2, engine_tp_size=2)
+    ranks = run_distributed(
+        fault_workers.group_timeouts_case, 2, cfg, setup_timeout_s, init_process_group=False
+    )
+    for found in ranks:
+        assert found == {"world": expected, "sequence_parallel": expected, "engine_tp": expected}

@@ -275,6 +275,7 @@ class StrategyBase(UpstreamAttributes, UpstreamEngineCalls):
             roll_call.set_roll_call(None)
             if dist.is_initialized():
                 self.backend.destroy_process_group()
+            distributed.forget_group()
         if self._ready:
             sequence_parallel.set_sequence_parallel_group(None)
         self._owns_process_group = False

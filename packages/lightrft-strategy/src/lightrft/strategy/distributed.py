@@ -203,17 +203,31 @@ def generation_store(launch: LaunchEnv, port: int, timeout: datetime.timedelta) 
     return PrefixStore(f"lightrft/{restart}/{_generation}/", job_store)
 
 
+def forget_group() -> None:
+    """Forget the store and timeout of the process group this module created (it was
+    destroyed); the job's store stays for the next group."""
+    global _store, _timeout
+    _store, _timeout = None, None
+
+
 def release_job_stores() -> None:
     """Drop the job stores this process made (rank 0's server stops): at exit only, as
     a later strategy of the job would need them."""
-    global _store
     _job_stores.clear()
-    _store = None
+    forget_group()
 
 
 def collective_timeout() -> datetime.timedelta:
-    """The timeout of the process group this module created (torch's default else)."""
-    return _timeout or DEFAULT_TIMEOUT
+    """The timeout of the process group this module created; of one the program created
+    itself, as its backend reports it; else torch's default."""
+    if _timeout is not None:
+        return _timeout
+    try:
+        backend = dist.group.WORLD._get_backend(torch.device("cpu"))  # type: ignore[union-attr]
+        timeout = backend.options._timeout
+    except (AttributeError, RuntimeError, ValueError):
+        return DEFAULT_TIMEOUT
+    return timeout if isinstance(timeout, datetime.timedelta) else DEFAULT_TIMEOUT
 
 
 def group_store(prefix: str) -> Store | None:
