@@ -31,6 +31,7 @@ if TYPE_CHECKING:  # the names below are imported on first use (see __getattr__)
         get_strategy,
         register_backend,
     )
+    from lightrft.strategy.roll_call import CollectiveError
 
 # Public name -> the module that defines it. Imported lazily, so that importing a
 # submodule that needs no torch (the ``lightrft`` command's parser) stays fast.
@@ -43,6 +44,7 @@ _LAZY = {
     "ForeignCheckpointError": "lightrft.strategy.checkpoint",
     "IncompleteCheckpointError": "lightrft.strategy.checkpoint",
     "NotSetUpError": "lightrft.strategy.construction",
+    "CollectiveError": "lightrft.strategy.roll_call",
     "UnknownBackendError": "lightrft.strategy.registry",
     "available_backends": "lightrft.strategy.registry",
     "get_backend": "lightrft.strategy.registry",
@@ -90,6 +92,7 @@ def __getattr__(name: str) -> Any:
 __all__ = [
     "CheckpointError",
     "CheckpointNotFoundError",
+    "CollectiveError",
     "ConfigError",
     "FakeStrategy",
     "ForeignCheckpointError",
