@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -18,14 +19,23 @@ from tests import fault_workers, workers
 TIMEOUT_S = 20.0  # the collective timeout of the killed-rank jobs
 
 
+BACKENDS = [
+    pytest.param({}, id="fsdp2"),
+    pytest.param(
+        {"backend": "deepspeed", "zero_stage": 3}, id="zero3", marks=pytest.mark.deepspeed
+    ),
+]
+
+
 @pytest.mark.distributed
 @pytest.mark.timeout(240)
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("phase", fault_workers.PHASES)
 def test_a_rank_killed_mid_phase_is_named_and_the_last_checkpoint_loads(
-    tmp_path: Path, phase: str
+    tmp_path: Path, phase: str, backend: dict[str, Any]
 ) -> None:
     seed = int(time.time()) % 1000  # a different moment each run, printed on failure
-    cfg = fault_workers.fault_config(TIMEOUT_S)
+    cfg = fault_workers.fault_config(TIMEOUT_S, **backend)
     with pytest.raises(RankFailure) as failed:
         run_distributed(
             fault_workers.killed_rank_case, 2, cfg, str(tmp_path), phase, seed,
@@ -45,7 +55,7 @@ def test_a_rank_killed_mid_phase_is_named_and_the_last_checkpoint_loads(
 
     # the newest complete checkpoint loads, with the weights it was saved with
     loaded = run_distributed(
-        workers.load_full_checkpoint, 2, fault_workers.fault_config(TIMEOUT_S),
+        workers.load_full_checkpoint, 2, fault_workers.fault_config(TIMEOUT_S, **backend),
         str(tmp_path / "ckpt"), init_process_group=False,
     )[0]  # fmt: skip
     expected = torch.load(tmp_path / "complete_weights.pt", weights_only=True)

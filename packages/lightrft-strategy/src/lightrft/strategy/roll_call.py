@@ -18,6 +18,7 @@ import os
 import socket
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
@@ -177,13 +178,25 @@ class RollCall:
         host, _, pid = self.store.get(key).decode().partition(" ")
         if host != here:
             return ""
-        try:
-            os.kill(int(pid), 0)
-        except ProcessLookupError:
+        if _exited(int(pid)):
             return f" (its process {pid} on this host has exited)"
-        except PermissionError:
-            return ""
         return ""
+
+
+def _exited(pid: int) -> bool:
+    """Whether process ``pid`` has ended: gone, or a zombie its parent has not reaped
+    yet (Linux's ``/proc``; elsewhere only a reaped process counts)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rpartition(")")[2].split()[:1] == ["Z"]
 
 
 _current: RollCall | None = None
