@@ -153,7 +153,6 @@ def process_group_backend(device: torch.device) -> str:
 
 _job_stores: dict[tuple[str, int], Store] = {}
 _generation = 0
-_timeout: datetime.timedelta | None = None
 _store: Store | None = None
 
 
@@ -204,10 +203,10 @@ def generation_store(launch: LaunchEnv, port: int, timeout: datetime.timedelta) 
 
 
 def forget_group() -> None:
-    """Forget the store and timeout of the process group this module created (it was
-    destroyed); the job's store stays for the next group."""
-    global _store, _timeout
-    _store, _timeout = None, None
+    """Forget the store of the process group this module created (it was destroyed);
+    the job's store stays for the next group."""
+    global _store
+    _store = None
 
 
 def release_job_stores() -> None:
@@ -218,10 +217,8 @@ def release_job_stores() -> None:
 
 
 def collective_timeout() -> datetime.timedelta:
-    """The timeout of the process group this module created; of one the program created
-    itself, as its backend reports it; else torch's default."""
-    if _timeout is not None:
-        return _timeout
+    """The process group's timeout, as its backend reports it (torch's default when
+    there is no group or it cannot be read)."""
     try:
         backend = dist.group.WORLD._get_backend(torch.device("cpu"))  # type: ignore[union-attr]
         timeout = backend.options._timeout
@@ -246,7 +243,7 @@ def init_process_group(
     launch: LaunchEnv, device: torch.device, timeout: datetime.timedelta | None = None
 ) -> bool:
     """Join (or create) the default process group. Returns whether this call created it."""
-    global _timeout, _store
+    global _store
     if device.type == "cuda":
         torch.cuda.set_device(launch.local_rank % max(1, torch.cuda.device_count()))
     if dist.is_initialized():
@@ -273,7 +270,7 @@ def init_process_group(
         world_size=launch.world_size,
         timeout=timeout,
     )
-    _timeout, _store = timeout, store
+    _store = store
     logger.debug(
         "rank %d/%d joined %s group via %s",
         launch.rank,
