@@ -36,8 +36,8 @@ an interruption would). It exits 1 unless RL raised held-out accuracy by ``--min
 from __future__ import annotations
 
 import argparse
+import json
 import logging
-import math
 import sys
 import time
 from pathlib import Path
@@ -54,6 +54,22 @@ from lightrft.strategy.run_log import RunLog, plot_metrics, read_metrics
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
 import arithmetic  # noqa: E402  (the task, beside this file)
+from prompting import PromptEncoder, stop_ids  # noqa: E402
+
+#: Rates and settings by starting point, for the flags left unset. ``demo``: tuned here
+#: for the tiny model the demo builds and warms up. ``pretrained`` (``--pretrain``): a
+#: published model is easy to harm, so the settings of published GRPO recipes for
+#: pretrained models: policy learning rate 1e-6 (DeepSeekMath's GRPO; the defaults of
+#: TRL's GRPOConfig, verl's actor, OpenRLHF and upstream LightRFT's train_colocate.py),
+#: a KL loss to the reference of 0.001 (verl's GRPO example scripts, k3 as here), no
+#: weight decay (the config's l2, 0 in grpo.yaml: TRL's, OpenRLHF's and LightRFT's
+#: default), and no gain check (a user's run reports its gain and exits 0).
+RECIPES: dict[str, dict[str, Any]] = {
+    "demo": {"sft_learning_rate": 1e-3, "rl_learning_rate": 2e-4, "kl_coef": 0.0,
+             "min_gain": 0.1},
+    "pretrained": {"sft_learning_rate": 1e-5, "rl_learning_rate": 1e-6, "kl_coef": 1e-3,
+                   "min_gain": None},
+}  # fmt: skip
 
 log = logging.getLogger("grpo")
 
@@ -61,13 +77,16 @@ log = logging.getLogger("grpo")
 PANELS = {
     "fraction right": ["reward", "held_out_accuracy"],
     "loss": ["sft_loss", "loss"],
-    "KL (nats/token)": ["kl", "rollout_kl"],
+    "KL to the reference (nats/token)": ["kl"],
+    "rollout KL, engine to trainer (nats/token)": ["rollout_kl"],
     "rollout log-prob gap (nats)": ["logprob_abs_diff", "logprob_max_abs_diff"],
     "entropy (nats/token)": ["entropy"],
     "response length (tokens)": ["response_length"],
     "seconds per step": ["generate_s", "train_s", "sync_s"],
     "tokens per second": ["tokens_per_s"],
 }
+#: Panels on a log scale: the rollout mismatch is rounding-sized (1e-11 to 1e-5) on CPU.
+LOG_PANELS = ("rollout KL, engine to trainer (nats/token)", "rollout log-prob gap (nats)")
 
 
 class Batch:
@@ -173,6 +192,16 @@ class Run:
         if self.eos is None:
             raise SystemExit(f"the tokenizer of {model_dir} has no eos_token: set one in its "
                              "tokenizer_config.json (completions end at it)")  # fmt: skip
+        try:
+            self.prompting = PromptEncoder(self.tokenizer, opts.chat_template, opts.system_prompt)
+        except ValueError as exc:
+            raise SystemExit(str(exc)) from None
+        self.stops = stop_ids(self.tokenizer, model_dir)
+        self.model_dir = model_dir
+        # the trainer's weights change with each optimizer step it takes: the engine is
+        # synced once per such version (an evaluation and the RL step after it share one)
+        self.version, self.engine_version = 0, -1
+        self.synced_version: int | None = None
         self.pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         actor, reference = _load_model(model_dir), _load_model(model_dir)
         if config.lora_rank > 0:  # --lora_rank N: train a peft LoRA adapter, the base frozen
@@ -215,7 +244,16 @@ class Run:
         return rows[opts.held_out :], rows[: opts.held_out]
 
     def encode(self, text: str) -> list[int]:
+        """Plain text's ids (the warm-up's demonstrations)."""
         return list(self.tokenizer(text, add_special_tokens=False).input_ids)
+
+    def sync(self) -> dict[str, Any]:
+        """Send the policy's weights to the engine unless it holds this version already."""
+        if self.engine_version == self.version:
+            return {"gather_s": 0.0, "load_s": 0.0, "weight_version": self.synced_version}
+        stats = self.strategy.update_engine_weights(self.actor)
+        self.engine_version, self.synced_version = self.version, stats.get("weight_version")
+        return stats
 
     def draw(self, step: int, count: int) -> list[dict[str, Any]]:
         """This replica's ``count`` training problems of ``step`` (seeded)."""
@@ -238,6 +276,7 @@ class Run:
             self.strategy.backward(loss, self.actor, self.optim)
             self.strategy.optimizer_step(self.optim, self.actor, self.sched)
             parts.append(numbers)
+        self.version += 1
         return parts, time.perf_counter() - t0
 
     def sft_step(self, step: int) -> dict[str, Any]:
@@ -246,7 +285,7 @@ class Run:
         draws = torch.rand(len(problems), generator=self._generator(step, salt=7)).tolist()
         rows = [
             (
-                self.encode(p["prompt"]),
+                self.prompting.encode(p["prompt"]),
                 [*self.encode(arithmetic.demonstration(p, self.opts.careless_demos, d)), self.eos],
             )
             for p, d in zip(problems, draws, strict=True)
@@ -261,27 +300,41 @@ class Run:
         parts, train_s = self.train_rows(batch, loss_of)
         return {"phase": "sft", "sft_loss": self._mean(parts, "sft_loss"), "train_s": train_s}
 
-    def evaluate(self) -> float:
-        """Greedy accuracy on the held-out problems (each replica grades its share)."""
-        self.strategy.update_engine_weights(self.actor)
+    def evaluate(self) -> tuple[float, list[dict[str, Any]]]:
+        """Greedy accuracy on the held-out problems (each replica grades its share), and
+        this replica's first few problems with their completions."""
+        self.sync()
         mine = self.held_out[self.replica :: self.replicas]
         greedy = SamplingParams(
-            max_new_tokens=self.opts.new_tokens, temperature=0, stop_token_ids=(self.eos,)
+            max_new_tokens=self.opts.new_tokens, temperature=0, stop_token_ids=self.stops
         )
         outputs = self.strategy.gather_and_generate(
-            [self.encode(p["prompt"]) for p in mine], greedy, sleep_engine=True
+            [self.prompting.encode(p["prompt"]) for p in mine], greedy, sleep_engine=True
         )
-        right = sum(
-            arithmetic.is_correct(self._text(o.output_token_ids), p["answer"])
-            for o, p in zip(outputs, mine, strict=True)
-        )
-        totals = self.strategy.all_reduce(torch.tensor([float(right), float(len(mine))]), op="sum")
-        return float(totals[0] / totals[1])
+        completions = [self._text(o.output_token_ids) for o in outputs]
+        rewards = [
+            float(arithmetic.is_correct(c, p["answer"]))
+            for c, p in zip(completions, mine, strict=True)
+        ]
+        totals = self.strategy.all_reduce(torch.tensor([sum(rewards), float(len(mine))]), op="sum")
+        shown = self._examples(mine, completions, rewards, self.opts.show_samples)
+        return float(totals[0] / totals[1]), shown
+
+    @staticmethod
+    def _examples(
+        problems: list[dict[str, Any]], completions: list[str], rewards: list[float], count: int
+    ) -> list[dict[str, Any]]:
+        return [
+            {"prompt": p["prompt"], "completion": c, "answer": p["answer"], "reward": r}
+            for p, c, r in list(zip(problems, completions, rewards, strict=True))[:count]
+        ]
 
     def _text(self, tokens: list[int]) -> str:
         return str(self.tokenizer.decode(tokens, skip_special_tokens=True))
 
-    def rl_step(self, step: int) -> dict[str, Any]:
+    def rl_step(self, step: int) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+        """One GRPO step; returns its metrics row and a few of this replica's rollouts
+        (the first completion of each of its first problems)."""
         opts, config, group = self.opts, self.config, self.group
         problems = self.draw(step, self.per_replica // group)
         sampling = SamplingParams(
@@ -289,22 +342,26 @@ class Run:
             temperature=opts.temperature,
             n=group,
             seed=config.seed * 100_003 + step,
-            stop_token_ids=(self.eos,),
+            stop_token_ids=self.stops,
             logprobs=True,
         )
         # with enable_engine_sleep the engine sleeps while the trainer trains (its memory
         # freed): the sync wakes it (weights, then KV cache), generation sleeps it again
-        sync = self.strategy.update_engine_weights(self.actor)
+        sync = self.sync()
         t0 = time.perf_counter()
-        prompts = [self.encode(p["prompt"]) for p in problems]
+        prompts = [self.prompting.encode(p["prompt"]) for p in problems]
         outputs = self.strategy.gather_and_generate(prompts, sampling, sleep_engine=True)
         generate_s = time.perf_counter() - t0
         answers = [problems[i // group]["answer"] for i in range(len(outputs))]
+        completions = [self._text(o.output_token_ids) for o in outputs]
         rewards = torch.tensor(
             [
-                float(arithmetic.is_correct(self._text(o.output_token_ids), answer))
-                for o, answer in zip(outputs, answers, strict=True)
+                float(arithmetic.is_correct(c, answer))
+                for c, answer in zip(completions, answers, strict=True)
             ]
+        )
+        samples = self._examples(
+            problems, completions[::group], rewards[::group].tolist(), opts.show_samples
         )
         advantages = group_advantages(rewards, group)
         batch = Batch(
@@ -343,13 +400,17 @@ class Run:
                 **{k: float(v) for k, v in gap.items() if k != "tokens"},
             }
 
-        parts, train_s = self.train_rows(batch, loss_of)
+        # a step whose advantages are all zero on every rank (every group all right or all
+        # wrong) has no policy gradient: it is skipped, not stepped, since Adam's momentum
+        # (and any weight decay) would move the weights on a zero gradient
+        skip = float(self.strategy.all_reduce(advantages.abs().max(), op="max")) == 0.0
+        parts, train_s = ([], 0.0) if skip else self.train_rows(batch, loss_of)
         generated = sum(len(o.output_token_ids) for o in outputs)
-        row = {"phase": "rl", "reward": self._reduce(rewards.mean())}
+        row = {"phase": "rl", "reward": self._reduce(rewards.mean()), "skipped": int(skip)}
         for key in ("loss", "kl", "entropy", "logprob_abs_diff", "rollout_kl"):
-            if key in parts[0]:
+            if parts and key in parts[0]:
                 row[key] = self._mean(parts, key)
-        if "logprob_max_abs_diff" in parts[0]:
+        if parts and "logprob_max_abs_diff" in parts[0]:
             row["logprob_max_abs_diff"] = float(
                 self.strategy.all_reduce(
                     torch.tensor(max(p["logprob_max_abs_diff"] for p in parts)), op="max"
@@ -363,7 +424,18 @@ class Run:
             "sync_s": sync["gather_s"] + sync["load_s"],
             "weight_version": sync["weight_version"],
         }
-        return row
+        return row, samples
+
+    def step(self, step: int) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+        """Step ``step`` of the run: a warm-up step, or a GRPO step (the first of which
+        switches to the RL rate and, after a warm-up, to its model as the reference)."""
+        if step <= self.opts.sft_steps:
+            return self.sft_step(step), []
+        if step == self.opts.sft_steps + 1:  # (a resumed RL phase has it from its checkpoint)
+            set_learning_rate(self.optim, self.sched, self.opts.rl_learning_rate)
+            if self.opts.sft_steps:
+                self.adopt_reference()
+        return self.rl_step(step)
 
     def _reduce(self, value: Any) -> float:
         return float(self.strategy.all_reduce(torch.as_tensor(float(value))))
@@ -385,46 +457,31 @@ def train(config: StrategyConfig, opts: argparse.Namespace) -> dict[str, Any]:
         sys.stderr.write(
             f"{strategy.backend_name} on {strategy.world_size} ranks, engine "
             f"{config.engine_type}; {ulysses.describe(run.actor)}; {len(run.train_set)} "
-            f"training and {len(run.held_out)} held-out problems\n"
+            f"training and {len(run.held_out)} held-out problems; "
+            f"{run.prompting.describe()}; learning rates: warm-up {opts.sft_learning_rate:g}, "
+            f"RL {opts.rl_learning_rate:g}; KL coefficient {opts.kl_coef:g}\n"
         )
-    first = 1
-    if opts.resume:
-        _, client = strategy.load_ckpt(run.actor, out / "checkpoints")
-        first = int(client["step"]) + 1
-        if client.get("steps", run.total) != run.total and run.rank == 0:
-            log.warning(
-                "resuming a run of %s steps with %s: the learning-rate schedule now spans %s "
-                "steps, so (unless it is constant) the steps after %s differ from either "
-                "uninterrupted run",
-                client["steps"],
-                run.total,
-                run.total,
-                first - 1,
-            )
-    tensorboard = config.use_tensorboard
+        write_run_config(out, config, opts)
+    first = resume(run) if opts.resume else 1
     runlog = RunLog(
         out,
         rank=run.rank,
         steps=run.total,
         first=first,
-        tensorboard=tensorboard,
+        tensorboard=config.use_tensorboard,
         description="GRPO",
     )
+    examples: dict[int, list[dict[str, Any]]] = {}
     if first == 1:  # the model as it starts (the warm-up's, with --pretrain and --sft-steps 0)
-        runlog.log(0, {"phase": "start", "held_out_accuracy": run.evaluate()})
+        accuracy, examples[0] = run.evaluate()
+        runlog.log(0, {"phase": "start", "held_out_accuracy": accuracy})
+        runlog.log_samples(0, examples[0], kind="held_out")
     if opts.sft_steps and first > opts.sft_steps + 1:  # resumed within the RL phase
         run.adopt_reference()
     last: Path | None = None
     last_step = opts.stop_after or run.total  # parse() keeps it within the total
     for step in range(first, last_step + 1):
-        if step > opts.sft_steps:
-            if step == opts.sft_steps + 1:  # (a resumed RL phase has it from its checkpoint)
-                set_learning_rate(run.optim, run.sched, opts.rl_learning_rate)
-                if opts.sft_steps:
-                    run.adopt_reference()
-            row = run.rl_step(step)
-        else:
-            row = run.sft_step(step)
+        row, samples = run.step(step)
         row["lr"] = float(run.sched.get_last_lr()[0])
         rl_done = step - opts.sft_steps
         if (
@@ -432,19 +489,71 @@ def train(config: StrategyConfig, opts: argparse.Namespace) -> dict[str, Any]:
             or step == run.total
             or (rl_done > 0 and rl_done % opts.eval_every == 0)
         ):
-            row["held_out_accuracy"] = run.evaluate()
+            row["held_out_accuracy"], examples[step] = run.evaluate()
+            runlog.log_samples(step, examples[step], kind="held_out")
         runlog.log(step, row)
+        if samples and (rl_done % opts.samples_every == 0 or rl_done == 1):
+            runlog.log_samples(step, samples, kind="rollout")
+        if row.get("skipped"):
+            runlog.write(f"step {step}: every advantage was 0 (no reward signal); no update")
         if step == opts.sft_steps:
             run.save_warm_model()
         if step % opts.save_every == 0 or step == last_step or step == opts.sft_steps:
-            state = {"step": step, "steps": run.total}
-            last = strategy.save_ckpt(run.actor, out / "checkpoints", client_state=state)
+            state = {"step": step, "steps": run.total, "version": run.version}
+            # tagged by the job's step: a skipped step takes no optimizer step
+            last = strategy.save_ckpt(
+                run.actor, out / "checkpoints", tag=f"global_step{step}", client_state=state
+            )
+    if last_step == run.total:  # the finished run's model, ready to load or serve
+        strategy.save_model(run.actor, run.tokenizer, out / "final_model", merge_lora=True)
     runlog.close()
     if run.rank == 0:
         title = f"GRPO on {strategy.backend_name} with the {config.engine_type} engine"
-        plot_metrics(read_metrics(out / "metrics.jsonl"), out / "plot.png", PANELS, title=title)
+        plot_metrics(
+            read_metrics(out / "metrics.jsonl"), out / "plot.png", PANELS, title=title,
+            log_scale=LOG_PANELS,
+        )  # fmt: skip
     strategy.close()
-    return {"rank": run.rank, "checkpoint": last, "tensorboard": runlog.tensorboard_dir}
+    return {"rank": run.rank, "checkpoint": last, "tensorboard": runlog.tensorboard_dir,
+            "examples": examples}  # fmt: skip
+
+
+def resume(run: Run) -> int:
+    """Load the run's latest checkpoint; returns the step to continue from."""
+    _, client = run.strategy.load_ckpt(run.actor, run.out / "checkpoints")
+    first = int(client["step"]) + 1
+    run.version = int(client.get("version", first))
+    if client.get("steps", run.total) != run.total and run.rank == 0:
+        log.warning(
+            "resuming a run of %s steps with %s: the learning-rate schedule now spans %s "
+            "steps, so (unless it is constant) the steps after %s differ from either "
+            "uninterrupted run",
+            client["steps"],
+            run.total,
+            run.total,
+            first - 1,
+        )
+    return first
+
+
+def write_run_config(out: Path, config: StrategyConfig, opts: argparse.Namespace) -> None:
+    """``run_config.json``: the resolved configuration and the job's options, as used."""
+    out.mkdir(parents=True, exist_ok=True)
+    job = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(opts).items()}
+    text = json.dumps({"strategy": config.model_dump(mode="json"), "job": job}, indent=2)
+    (out / "run_config.json").write_text(text + "\n")
+
+
+def _effective_config(argv: list[str] | None) -> dict[str, Any]:
+    """The configuration a run without strategy flags would use (file and environment
+    applied): what --help shows as each flag's default."""
+    early = argparse.ArgumentParser(add_help=False)
+    early.add_argument("--config", default=str(HERE / "grpo.yaml"))
+    known, _ = early.parse_known_args(argv)
+    try:
+        return StrategyConfig.load(file=known.config).model_dump()
+    except (ConfigError, OSError, ValueError):
+        return {}  # the real parse names the problem
 
 
 def parse(argv: list[str] | None) -> tuple[StrategyConfig, argparse.Namespace]:
@@ -454,6 +563,11 @@ def parse(argv: list[str] | None) -> tuple[StrategyConfig, argparse.Namespace]:
         allow_abbrev=False,
     )
     add = parser.add_argument
+
+    def recipe(name: str) -> str:
+        demo, pretrained = RECIPES["demo"][name], RECIPES["pretrained"][name]
+        return f"(default: {demo} for the built-in model, {pretrained} with --pretrain)"
+
     add("--config", default=str(HERE / "grpo.yaml"), help="YAML or JSON config")
     add("--sft-steps", type=int, default=150, help="supervised warm-up steps before RL")
     add("--steps", type=int, default=80, help="GRPO steps after the warm-up")
@@ -481,6 +595,21 @@ def parse(argv: list[str] | None) -> tuple[StrategyConfig, argparse.Namespace]:
     )
     add("--eval-prompts", type=Path, default=None, help="JSONL of held-out problems")
     add("--held-out", type=int, default=200, help="problems kept aside for evaluation")
+    add(
+        "--chat-template",
+        choices=("auto", "none"),
+        default="auto",
+        help="auto: a tokenizer with a chat template gets each prompt as the user turn "
+        "(its generation prompt opening the answer); none: the prompt as written",
+    )
+    add("--system-prompt", default=None, help="a system turn before each prompt (chat models)")
+    add(
+        "--recipe",
+        choices=("auto", "demo", "pretrained"),
+        default="auto",
+        help="the defaults of the rates, KL and gain check: demo (tuned for the built-in "
+        "tiny model) or pretrained (published GRPO recipes'); auto: pretrained with --pretrain",
+    )
     add("--operand-limit", type=int, default=30, help="built-in task: a+b with a, b below this")
     add(
         "--careless-demos",
@@ -490,8 +619,25 @@ def parse(argv: list[str] | None) -> tuple[StrategyConfig, argparse.Namespace]:
     )
     add("--new-tokens", type=int, default=4, help="most tokens per completion")
     add("--temperature", type=float, default=1.0, help="sampling temperature of rollouts")
-    add("--rl-learning-rate", type=float, default=2e-4, help="learning rate of the GRPO steps")
-    add("--kl-coef", type=float, default=0.0, help="weight of the KL term to the reference")
+    add(
+        "--sft-learning-rate",
+        type=float,
+        default=None,
+        help=f"learning rate of the warm-up steps {recipe('sft_learning_rate')}",
+    )
+    add(
+        "--rl-learning-rate",
+        type=float,
+        default=None,
+        help="learning rate of the GRPO steps (--actor_learning_rate means the same) "
+        + recipe("rl_learning_rate"),
+    )
+    add(
+        "--kl-coef",
+        type=float,
+        default=None,
+        help=f"weight of the KL term (k3) to the reference {recipe('kl_coef')}",
+    )
     add(
         "--tis-cap",
         type=float,
@@ -502,45 +648,95 @@ def parse(argv: list[str] | None) -> tuple[StrategyConfig, argparse.Namespace]:
     add("--eval-every", type=int, default=20, help="GRPO steps between held-out evaluations")
     add("--save-every", type=int, default=30)
     add(
+        "--samples-every",
+        type=int,
+        default=10,
+        help="GRPO steps between rollouts written to samples.jsonl and TensorBoard's text "
+        "panel (the first RL step's too)",
+    )
+    add("--show-samples", type=int, default=3, help="problems shown per evaluation or step")
+    add(
         "--min-gain",
         type=float,
-        default=0.1,
-        help="fail (exit 1) unless RL raises held-out accuracy by this much",
+        default=None,
+        help="exit 1 unless RL raises held-out accuracy by this much "
+        f"{recipe('min_gain')}: no check",
     )
-    StrategyConfig.add_arguments(parser, suppress_defaults=True)
+    StrategyConfig.add_arguments(
+        parser, suppress_defaults=True, shown_defaults=_effective_config(argv)
+    )
     given = vars(parser.parse_args(argv))
     names = (
-        "config",
-        "sft_steps",
-        "steps",
-        "out",
-        "resume",
-        "stop_after",
-        "pretrain",
-        "prompts",
-        "eval_prompts",
-        "held_out",
-        "operand_limit",
-        "careless_demos",
-        "new_tokens",
-        "temperature",
-        "rl_learning_rate",
-        "kl_coef",
-        "tis_cap",
-        "eval_every",
-        "save_every",
+        "config", "sft_steps", "steps", "out", "resume", "stop_after", "pretrain", "prompts",
+        "eval_prompts", "held_out", "chat_template", "system_prompt", "recipe", "operand_limit",
+        "careless_demos", "new_tokens", "temperature", "sft_learning_rate", "rl_learning_rate",
+        "kl_coef", "tis_cap", "eval_every", "save_every", "samples_every", "show_samples",
         "min_gain",
-    )
+    )  # fmt: skip
     opts = argparse.Namespace(**{n: given.pop(n) for n in names})
     total = opts.sft_steps + opts.steps
     if opts.stop_after is not None and not 1 <= opts.stop_after <= total:
         parser.error(f"--stop-after {opts.stop_after} must be within 1..{total} (all steps)")
     if opts.steps < 0 or opts.sft_steps < 0 or total < 1:
         parser.error("--steps and --sft-steps must be >= 0, and one of them >= 1")
-    return StrategyConfig.load(file=opts.config, args=given), opts
+    actor_rate = given.pop("actor_learning_rate", None)
+    if actor_rate is not None:  # the actor's rate is the RL phase's
+        if opts.rl_learning_rate not in (None, actor_rate):
+            parser.error(
+                f"--actor_learning_rate {actor_rate} and --rl-learning-rate "
+                f"{opts.rl_learning_rate} disagree: they name the same rate; give one"
+            )
+        opts.rl_learning_rate = actor_rate
+    if opts.recipe == "auto":
+        opts.recipe = "pretrained" if opts.pretrain else "demo"
+    for name, value in RECIPES[opts.recipe].items():
+        if getattr(opts, name) is None:
+            setattr(opts, name, value)
+    first_rate = opts.sft_learning_rate if opts.sft_steps else opts.rl_learning_rate
+    config = StrategyConfig.load(file=opts.config, args=given, actor_learning_rate=first_rate)
+    return config, opts
+
+
+def summary(rows: list[dict[str, Any]], opts: argparse.Namespace) -> tuple[str, float | None]:
+    """One line saying what the run did to held-out accuracy, and the gain (None when no
+    evaluation ran after RL)."""
+    accuracy = {r["step"]: r["held_out_accuracy"] for r in rows if "held_out_accuracy" in r}
+    start = opts.sft_steps if opts.sft_steps in accuracy else min(accuracy)
+    before = accuracy[start]
+    what = "after the warm-up" if opts.sft_steps and start == opts.sft_steps else "at the start"
+    if opts.steps == 0:
+        return f"held-out accuracy {before:.3f} {what} (no RL steps)", None
+    after_step = max(accuracy)
+    if after_step <= opts.sft_steps:
+        stopped = max(r["step"] for r in rows)
+        return (
+            f"held-out accuracy {before:.3f} {what}; stopped after step {stopped}, before an "
+            "evaluation after RL (--resume continues the run)",
+            None,
+        )
+    after, gain = accuracy[after_step], accuracy[after_step] - before
+    kl = [r["kl"] for r in rows if "kl" in r]
+    kl_text = f", KL to the reference {kl[-1]:.2g} at the last trained step" if kl else ""
+    skipped = sum(1 for r in rows if r.get("skipped"))
+    skip_text = f", {skipped} step(s) skipped (no reward signal)" if skipped else ""
+    return (
+        f"held-out accuracy {before:.3f} {what} -> {after:.3f} after "
+        f"{after_step - opts.sft_steps} RL steps ({gain * 100:+.1f} points){kl_text}{skip_text}",
+        gain,
+    )
+
+
+def _show(title: str, examples: list[dict[str, Any]]) -> None:
+    print(title)
+    for e in examples:
+        mark = "right" if e["reward"] else "wrong"
+        completion = " ".join(e["completion"].split())[:160]
+        print(f"  [{mark}] {e['prompt'][-80:]!r} -> {completion!r} (answer {e['answer']})")
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Exit status: 0 when the run finished (its gain reported), 1 when ``--min-gain``
+    was asked for (or is the demo's) and RL fell short of it, 2 for bad input."""
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     try:
         config, opts = parse(argv)
@@ -552,26 +748,23 @@ def main(argv: list[str] | None = None) -> int:
     rows = read_metrics(opts.out / "metrics.jsonl")
     if result["rank"] != 0 or not rows:
         return 0
-    accuracy = [(r["step"], r["held_out_accuracy"]) for r in rows if "held_out_accuracy" in r]
-    before = next((a for s, a in accuracy if s == opts.sft_steps), accuracy[0][1])
-    after = accuracy[-1][1]
+    line, gain = summary(rows, opts)
+    examples = result["examples"]
+    if len(examples) > 1:
+        _show("held-out examples, before:", examples[min(examples)])
+        _show("after:", examples[max(examples)])
     where = (
-        f"metrics {opts.out / 'metrics.jsonl'}, TensorBoard {result['tensorboard']}, "
-        f"plot {opts.out / 'plot.png'}, last checkpoint {result['checkpoint']}"
+        f"metrics {opts.out / 'metrics.jsonl'}, samples {opts.out / 'samples.jsonl'}, "
+        f"TensorBoard {result['tensorboard']}, plot {opts.out / 'plot.png'}, last "
+        f"checkpoint {result['checkpoint']}"
     )
-    print(
-        f"held-out accuracy {before:.3f} after the warm-up -> {after:.3f} after RL "
-        f"({(after - before) * 100:+.1f} points); {where}"
-    )
-    if opts.steps == 0 or (opts.stop_after or math.inf) < opts.sft_steps + opts.steps:
-        return 0  # a warm-up alone, or an interrupted run (judged when resumed)
-    if math.isnan(after) or after - before < opts.min_gain:
-        log.error(
-            "RL did not raise held-out accuracy: %+.3f < --min-gain %.3f",
-            after - before,
-            opts.min_gain,
-        )
+    if (opts.out / "final_model").is_dir():
+        where += f", model {opts.out / 'final_model'}"
+    print(where)
+    if gain is not None and opts.min_gain is not None and not gain >= opts.min_gain:
+        print(f"RESULT: {line}: below --min-gain {opts.min_gain} (exit 1)")
         return 1
+    print(f"RESULT: {line}")
     return 0
 
 

@@ -20,7 +20,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 SFT_STEPS = 150
-_JOB = ("grpo.py", "arithmetic.py", "grpo.yaml")
+_JOB = ("grpo.py", "arithmetic.py", "prompting.py", "grpo.yaml")
 
 
 def _digest() -> str:

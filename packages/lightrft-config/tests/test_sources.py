@@ -150,6 +150,20 @@ def test_suppressed_defaults_leave_absent_flags_out() -> None:
     assert vars(parser.parse_args(["--seed", "3"])) == {"seed": 3}
 
 
+def test_help_shows_the_defaults_a_file_sets(tmp_path: Path) -> None:
+    """A program whose YAML file changes defaults shows those in --help, not the
+    field's own (the file's values are what a run without the flag uses)."""
+    file = tmp_path / "job.json"
+    file.write_text(json.dumps({"train_batch_size": 256, "engine_type": "hf"}))
+    effective = StrategyConfig.load(file=file, environ={})
+    parser = StrategyConfig.add_arguments(
+        argparse.ArgumentParser(), suppress_defaults=True, shown_defaults=effective.model_dump()
+    )
+    help_text = " ".join(parser.format_help().split())
+    assert "(default: 256)" in help_text and "(default: 128)" not in help_text
+    assert "(default: 'hf')" in help_text and "(default: 'vllm')" not in help_text
+
+
 def test_deepspeed_config_from_mapping_json_text_or_path(tmp_path: Path) -> None:
     overlay = {"zero_optimization": {"reduce_bucket_size": 1000}}
     assert StrategyConfig(deepspeed_config=overlay).deepspeed_config == overlay

@@ -47,7 +47,17 @@ def warm_model() -> Path:
 
 
 def _rl(warm: Path, *args: str) -> list[str]:
-    return ["--pretrain", str(warm), "--sft-steps", "0", "--min-gain", "-1", *args]
+    return [
+        "--pretrain",
+        str(warm),
+        "--recipe",
+        "demo",
+        "--sft-steps",
+        "0",
+        "--min-gain",
+        "-1",
+        *args,
+    ]
 
 
 @pytest.mark.distributed

@@ -73,7 +73,17 @@ def test_problems_come_from_jsonl_files(problems: tuple[Path, Path], tmp_path: P
 
 
 def _rl(warm: Path, *args: str) -> list[str]:
-    return ["--pretrain", str(warm), "--sft-steps", "0", "--min-gain", "-1", *args]
+    return [
+        "--pretrain",
+        str(warm),
+        "--recipe",
+        "demo",
+        "--sft-steps",
+        "0",
+        "--min-gain",
+        "-1",
+        *args,
+    ]
 
 
 @pytest.mark.timeout(600)

@@ -228,15 +228,19 @@ def add_arguments(
     parser: argparse.ArgumentParser,
     *,
     suppress_defaults: bool = False,
+    shown_defaults: Mapping[str, Any] | None = None,
 ) -> argparse.ArgumentParser:
-    """One flag per field; a flag the parser already defines is left as it is."""
+    """One flag per field; a flag the parser already defines is left as it is. Help
+    shows ``shown_defaults[name]`` where given (the value a file or the environment
+    sets), else the field's default."""
     group = parser.add_argument_group("strategy", "lightrft.config.StrategyConfig fields")
     for name, info in model.model_fields.items():
         if name == "extra_args":
             continue
         flags = [f"--{name}"] + ([f"--{name.replace('_', '-')}"] if "_" in name else [])
         default = argparse.SUPPRESS if suppress_defaults else info.default
-        help_text = f"{info.description} (default: {info.default!r})"
+        shown = shown_defaults[name] if shown_defaults and name in shown_defaults else info.default
+        help_text = f"{info.description} (default: {shown!r})"
         try:
             group.add_argument(
                 *flags, dest=name, default=default, help=help_text, **_flag_spec(info)

@@ -705,14 +705,22 @@ class StrategyConfig(BaseModel):
 
     @classmethod
     def add_arguments(
-        cls, parser: argparse.ArgumentParser, *, suppress_defaults: bool = False
+        cls,
+        parser: argparse.ArgumentParser,
+        *,
+        suppress_defaults: bool = False,
+        shown_defaults: Mapping[str, Any] | None = None,
     ) -> argparse.ArgumentParser:
         """Add one flag per field (``--zero_stage`` and ``--zero-stage``) to ``parser``.
 
         With ``suppress_defaults`` an absent flag is absent from the namespace, which
-        lets :meth:`load` tell given flags from defaults.
+        lets :meth:`load` tell given flags from defaults. ``shown_defaults`` (field name
+        -> value) is what ``--help`` shows as each flag's default, for a program whose
+        file or environment changes them (``StrategyConfig.load(file=...)``'s values).
         """
-        return sources.add_arguments(cls, parser, suppress_defaults=suppress_defaults)
+        return sources.add_arguments(
+            cls, parser, suppress_defaults=suppress_defaults, shown_defaults=shown_defaults
+        )
 
     @classmethod
     def from_argv(

@@ -59,6 +59,7 @@ class RunLog:
         self.active = rank == 0
         self._done = first - 1
         self.path = out / "metrics.jsonl"
+        self.samples_path = out / "samples.jsonl"
         self.tensorboard_dir: Path | None = None
         self._writer: Any = None
         try:
@@ -70,10 +71,11 @@ class RunLog:
         if not self.active:
             return
         out.mkdir(parents=True, exist_ok=True)
-        kept = []
-        if first > 1 and self.path.exists():
-            kept = [row for row in read_metrics(self.path) if row.get("step", 0) < first]
-        self.path.write_text("".join(json.dumps(row) + "\n" for row in kept))
+        for path in (self.path, self.samples_path):
+            kept = []
+            if first > 1 and path.exists():
+                kept = [row for row in read_metrics(path) if row.get("step", 0) < first]
+            path.write_text("".join(json.dumps(row) + "\n" for row in kept))
         if tensorboard:
             self.tensorboard_dir = (
                 out / "tensorboard" if tensorboard is True else Path(str(tensorboard))
@@ -105,6 +107,22 @@ class RunLog:
         self._bar.update(max(0, step - self._done))  # a step-0 row (before training) adds none
         self._done = max(self._done, step)
 
+    def log_samples(
+        self, step: int, samples: Sequence[Mapping[str, Any]], *, kind: str = "rollout"
+    ) -> None:
+        """Append ``samples`` (each a mapping such as ``prompt``, ``completion``,
+        ``answer``, ``reward``) to ``samples.jsonl``, one object per sample with ``step``
+        and ``kind``, and show them in TensorBoard's text panel under ``samples/<kind>``;
+        a no-op off rank 0."""
+        if not self.active or not samples:
+            return
+        with self.samples_path.open("a") as f:
+            for sample in samples:
+                f.write(json.dumps({"step": step, "kind": kind, **sample}) + "\n")
+        if self._writer is not None:
+            self._writer.add_text(f"samples/{kind}", _markdown_table(samples), step)
+            self._writer.flush()
+
     def write(self, message: str) -> None:
         """A line above the bar (rank 0 only)."""
         if self.active:
@@ -117,17 +135,32 @@ class RunLog:
             self._writer = None
 
 
+def _markdown_table(samples: Sequence[Mapping[str, Any]]) -> str:
+    """Samples as a Markdown table (TensorBoard's text panel renders Markdown)."""
+    keys = list(dict.fromkeys(k for s in samples for k in s))
+
+    def cell(value: Any) -> str:
+        return " ".join(str(value).split()).replace("|", "\\|")
+
+    lines = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
+    lines += ["| " + " | ".join(cell(s.get(k, "")) for k in keys) + " |" for s in samples]
+    return "\n".join(lines)
+
+
 def plot_metrics(
     rows: Sequence[Mapping[str, Any]],
     path: Path,
     panels: Mapping[str, Sequence[str]],
     *,
     title: str | None = None,
+    log_scale: Sequence[str] = (),
 ) -> Path:
     """One panel per kind of quantity: ``panels`` maps a panel's y-axis label (with its
-    unit) to the metric keys drawn in it, each a labelled line against ``step``. Keys
-    absent from every row are left out; a metric with at most 30 points (an
-    evaluation every few steps) is drawn with a marker at each."""
+    unit) to the metric keys drawn in it, against ``step``. Keys absent from every row
+    are left out. A metric logged at every step is a line; one logged on under half
+    of the rows (an evaluation every few steps) is drawn as markers alone, since a
+    line between evaluations would suggest a trend nobody measured. Panels named in
+    ``log_scale`` get a logarithmic y axis (non-positive values are left out there)."""
     try:
         import matplotlib
 
@@ -143,12 +176,19 @@ def plot_metrics(
     lines = max(1, math.ceil(len(shown) / columns))
     figure, axes = pyplot.subplots(lines, columns, figsize=(6 * columns, 3 * lines),
                                    squeeze=False, sharex=True)  # fmt: skip
+    steps = len({r["step"] for r in rows if "step" in r})
     for ax, (label, keys) in zip(axes.flat, shown.items(), strict=False):
+        log = label in log_scale
         for key in keys:
             points = [(r["step"], r[key]) for r in rows if key in r and r[key] is not None]
-            ax.plot(
-                *zip(*points, strict=True), marker="o" if len(points) <= 30 else None, label=key
-            )
+            points = [(s, v) for s, v in points if v > 0] if log else points
+            if not points:
+                continue
+            sparse = len(points) < steps / 2
+            style = {"linestyle": "none", "marker": "D"} if sparse else {}
+            ax.plot(*zip(*points, strict=True), label=key, **style)
+        if log:
+            ax.set_yscale("log")
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
         ax.legend(fontsize="small")
