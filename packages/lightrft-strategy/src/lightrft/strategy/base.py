@@ -766,6 +766,7 @@ class StrategyBase(UpstreamAttributes, UpstreamEngineCalls):
         save_latest: bool = True,
         optimizer: Any = None,
         scheduler: Any = None,
+        tokenizer: Any = None,
     ) -> Path:
         """Save everything needed to resume: model, its optimizer and scheduler (those
         given to :meth:`prepare`, or passed here), every rank's RNG, the state of loaders
@@ -773,6 +774,9 @@ class StrategyBase(UpstreamAttributes, UpstreamEngineCalls):
 
         ``tag`` defaults to ``global_step<N>``; rotation keeps ``max_num`` (default
         ``max_ckpt_num``) checkpoints within ``max_mem`` GiB (default ``max_ckpt_mem``).
+        ``tokenizer`` (a transformers tokenizer or processor: anything with
+        ``save_pretrained``) is saved by rank 0 into the tag's ``tokenizer/`` directory,
+        which ``lightrft ckpt export`` writes beside the weights.
         """
         from lightrft.strategy.checkpoint.manager import save_checkpoint
 
@@ -782,7 +786,7 @@ class StrategyBase(UpstreamAttributes, UpstreamEngineCalls):
                 self.backend_name, self._ranks(), Path(save_dir), tag,
                 max_num if max_num is not None else self.config.max_ckpt_num,
                 max_mem if max_mem is not None else self.config.max_ckpt_mem,
-                client_state or {}, save_latest,
+                client_state or {}, save_latest, tokenizer=tokenizer,
             )  # fmt: skip
 
     def load_ckpt(

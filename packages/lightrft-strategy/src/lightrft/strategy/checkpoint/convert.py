@@ -30,6 +30,7 @@ import torch
 from lightrft.strategy.checkpoint.export import Progress
 from lightrft.strategy.checkpoint.layout import (
     HF_CONFIG_FILE,
+    TOKENIZER_DIR,
     CheckpointDir,
     CheckpointError,
     CheckpointInfo,
@@ -223,6 +224,8 @@ def _copy_shared(source: Path, tag_dir: Path, *, copy_rng: bool) -> None:
             shutil.copy2(source / name, tag_dir / name)
     if copy_rng and (source / "rng").is_dir():
         shutil.copytree(source / "rng", tag_dir / "rng", dirs_exist_ok=True)
+    if (source / TOKENIZER_DIR).is_dir():
+        shutil.copytree(source / TOKENIZER_DIR, tag_dir / TOKENIZER_DIR, dirs_exist_ok=True)
 
 
 # -- FSDP2 target -----------------------------------------------------------------------

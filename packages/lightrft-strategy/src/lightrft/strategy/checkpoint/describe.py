@@ -13,6 +13,7 @@ from lightrft.strategy.checkpoint.layout import (
     CheckpointError,
 )
 from lightrft.strategy.checkpoint.offline import looks_like_tag
+from lightrft.strategy.checkpoint.tokenizer import recorded_tokenizer_files
 
 
 def _tag_entry(root: Path, tag: str) -> dict[str, Any]:
@@ -35,6 +36,7 @@ def _tag_entry(root: Path, tag: str) -> dict[str, Any]:
         "created_ns": meta.get("created_ns"),
         "versions": meta.get("versions", {}),
         "hf_config": (info.path / HF_CONFIG_FILE).is_file(),
+        "tokenizer": bool(recorded_tokenizer_files(info)),
     }
     backend_info = meta.get("backend_info") or {}
     if meta.get("backend") == "deepspeed":

@@ -8,7 +8,9 @@ fp32 master weights), or cast to ``dtype``, then
 writes safetensors and ``config.json`` into a staging directory, reads every tensor back
 and compares it with its source, and only then renames the staging directory to the
 output. A LoRA checkpoint (its metadata records the adapter's peft config) exports the
-adapter in peft's format, or with ``merge_lora`` the merged model.
+adapter in peft's format, or with ``merge_lora`` the merged model. The tokenizer's files
+(:mod:`.tokenizer`: the checkpoint's own, or ``tokenizer``'s) go into the same staging
+directory, so a failed export leaves no output.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import torch
 from lightrft.strategy.checkpoint.layout import HF_CONFIG_FILE, CheckpointError, CheckpointInfo
 from lightrft.strategy.checkpoint.offline import read_contents
 from lightrft.strategy.checkpoint.staging import check_output, staged_output
+from lightrft.strategy.checkpoint.tokenizer import export_tokenizer
 from lightrft.strategy.checkpoint.verify import Verification
 from lightrft.strategy.lora import base_name, merge_state_dict, peft_adapter_state
 
@@ -41,6 +44,9 @@ class ExportReport:
     tensors: int
     bytes: int
     verification: Verification
+    #: where the written tokenizer came from (the checkpoint's ``tokenizer/`` or the
+    #: ``tokenizer`` directory given); None: no tokenizer was written
+    tokenizer: Path | None = None
 
 
 def read_hf_config(info: CheckpointInfo, hf_config: str | Path | None) -> str:
@@ -108,11 +114,14 @@ def export_hf(
     max_shard_bytes: int = 5 * 2**30,
     progress: Progress | None = None,
     merge_lora: bool = False,
+    tokenizer: str | Path | None = None,
 ) -> ExportReport:
     """Export ``info``'s model to ``out`` (see the module's docstring). A LoRA
     checkpoint exports its adapter in peft's format (``adapter_config.json``,
     ``adapter_model.safetensors``), or with ``merge_lora`` the merged model as a Hugging
-    Face directory."""
+    Face directory. The tokenizer written beside it is ``tokenizer``'s (a directory
+    ``AutoTokenizer.from_pretrained`` loads) when given, else the checkpoint's own when
+    ``save_ckpt`` recorded one, else none."""
     from safetensors import safe_open
 
     from lightrft.strategy.hf_export import write_weight_files
@@ -127,6 +136,7 @@ def export_hf(
             "full); export it without --merge-lora"
         )
     config_text = read_hf_config(info, hf_config) if not settings or merge_lora else None
+    tokenizer_source = export_tokenizer(info, Path(tokenizer) if tokenizer is not None else None)
     weights = read_contents(info, optimizer=False, progress=progress).weights
     if settings and merge_lora:  # the merged model, under the base model's names
         weights = merge_state_dict(weights, settings)
@@ -136,6 +146,8 @@ def export_hf(
     else:
         state = hf_state(info, weights, dtype)
     with staged_output(out, force=force, source=info.path) as staging:
+        if tokenizer_source is not None:  # first: the model's own files win a name clash
+            tokenizer_source.write(staging)
         if settings and not merge_lora:
             from safetensors.torch import save_file
 
@@ -162,5 +174,6 @@ def export_hf(
         verification.raise_if_failed(f"the export of {info.path}")
     total = sum(t.numel() * t.element_size() for t in state.values())
     return ExportReport(
-        out.absolute(), [out.absolute() / f.name for f in files], len(state), total, verification
-    )
+        out.absolute(), [out.absolute() / f.name for f in files], len(state), total,
+        verification, tokenizer_source.path if tokenizer_source is not None else None,
+    )  # fmt: skip

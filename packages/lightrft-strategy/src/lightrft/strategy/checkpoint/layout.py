@@ -30,6 +30,7 @@ logger = logging.getLogger(__name__)
 METADATA_FILE = "lightrft_checkpoint.json"
 LATEST_FILE = "latest"
 HF_CONFIG_FILE = "hf_config.json"  # the model's Hugging Face config (see .manager)
+TOKENIZER_DIR = "tokenizer"  # the tokenizer's save_pretrained files (see .tokenizer)
 PARTIAL_MARKER = ".lightrft_partial"
 FORMAT_VERSION = 1
 GIB = 2**30

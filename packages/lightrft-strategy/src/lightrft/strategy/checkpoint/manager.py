@@ -17,6 +17,9 @@ Inside a tag directory, besides what the backend writes (``backend.save_state``)
     client_state.pt           the caller's client_state (plain values only; rank 0)
     hf_config.json            the model's Hugging Face config, when it has one (rank 0;
                               what ``lightrft ckpt export`` writes as config.json)
+    tokenizer/                the tokenizer's save_pretrained files, when save_ckpt was
+                              given one (rank 0; what ``lightrft ckpt export`` writes
+                              beside the weights; see :mod:`.tokenizer`)
 
 The metadata's ``model`` entry lists the model's class, its parameters in order (name,
 shape, dtype, requires_grad), tied names and persistent buffers, and ``optimizer`` the
@@ -51,6 +54,7 @@ from lightrft.strategy.checkpoint.layout import (
 )
 from lightrft.strategy.checkpoint.rng import capture_rng_state, restore_rng_state
 from lightrft.strategy.checkpoint.safe_io import check_plain, load_plain, save_plain
+from lightrft.strategy.checkpoint.tokenizer import check_tokenizer, write_tokenizer
 from lightrft.strategy.hf_export import tied_aliases
 from lightrft.strategy.lora import adapter_settings
 from lightrft.strategy.tensors import full_shape
@@ -80,10 +84,13 @@ def save_checkpoint(
     max_mem: float,
     client_state: dict[str, Any],
     save_latest: bool,
+    tokenizer: Any = None,
 ) -> Path:
     """Write one complete checkpoint (see :mod:`lightrft.strategy.checkpoint.layout`),
-    keeping the newest ``keep`` within ``max_mem`` GiB."""
+    keeping the newest ``keep`` within ``max_mem`` GiB; ``tokenizer`` (when given) is
+    saved into its ``tokenizer/`` directory."""
     check_plain(client_state)  # fail on every rank before writing anything
+    check_tokenizer(tokenizer)
     if keep < 1:
         raise ValueError(f"save_ckpt max_num={keep} must be >= 1: the newest checkpoint is kept")
     optimizer, scheduler = subject.optimizer, subject.scheduler
@@ -100,6 +107,7 @@ def save_checkpoint(
     if rank == 0:
         try:
             _write_rank0_pieces(subject, client_state, staging)
+            write_tokenizer(tokenizer, staging)
         except Exception as exc:
             failure = exc
     # Every rank learns whether rank 0's part was written, so none waits at the commit

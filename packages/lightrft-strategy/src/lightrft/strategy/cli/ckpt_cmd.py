@@ -109,6 +109,7 @@ def info(directory: Path, as_json: bool) -> None:
             f"  optimizer:  {entry['optimizer'] if entry['has_optimizer'] else 'none'}"
             f"; scheduler: {'yes' if entry['has_scheduler'] else 'no'}"
             f"; HF config: {'yes' if entry['hf_config'] else 'no'}"
+            f"; tokenizer: {'yes' if entry.get('tokenizer') else 'no'}"
         )
     for name in found["interrupted_saves"]:
         click.echo(f"\n.{name}.partial: an interrupted save (ignored by load_ckpt)")
@@ -136,6 +137,14 @@ def info(directory: Path, as_json: bool) -> None:
     is_flag=True,
     help="A LoRA checkpoint: export the merged model (default: the adapter, in peft's format).",
 )
+@click.option(
+    "--tokenizer",
+    "tokenizer",
+    type=click.Path(path_type=Path),
+    help="A directory holding the tokenizer to write beside the weights: its tokenizer "
+    "files are copied once transformers' AutoTokenizer loads it (default: the tokenizer "
+    "save_ckpt recorded, if any).",
+)
 @click.option("--force", is_flag=True, help="Replace a non-empty OUT.")
 @click.option("--progress/--no-progress", default=True, help="Show progress bars.")
 def export(
@@ -146,12 +155,14 @@ def export(
     hf_config: Path | None,
     dtype: str | None,
     merge_lora: bool,
+    tokenizer: Path | None,
     force: bool,
     progress: bool,
 ) -> None:
     """Export the model of DIRECTORY's checkpoint to OUT as a Hugging Face model
-    directory (safetensors and config.json), on CPU, at any world size it was saved at.
-    A LoRA checkpoint exports its adapter (peft's format), or merged with --merge-lora."""
+    directory (safetensors, config.json and the tokenizer's files), on CPU, at any world
+    size it was saved at. A LoRA checkpoint exports its adapter (peft's format), or
+    merged with --merge-lora."""
     from lightrft.strategy.checkpoint.export import export_hf
     from lightrft.strategy.checkpoint.offline import open_checkpoint
 
@@ -159,14 +170,22 @@ def export(
         source = open_checkpoint(directory, tag)
         report = export_hf(
             source, out, hf_config=hf_config, dtype=dtype, force=force, progress=update,
-            merge_lora=merge_lora,
+            merge_lora=merge_lora, tokenizer=tokenizer,
         )  # fmt: skip
     click.echo(
         f"exported {source.path} ({source.metadata.get('backend')}, step "
         f"{source.metadata.get('global_step')}) to {report.output}: {report.tensors} "
         f"tensors, {_size(report.bytes)} in {len(report.files)} file(s); "
         f"{report.verification.summary()}"
+        + (f"; tokenizer from {report.tokenizer}" if report.tokenizer is not None else "")
     )
+    if report.tokenizer is None:
+        click.echo(
+            f"note: no tokenizer was written ({source.path} records none); add one with "
+            "--tokenizer DIR (a directory holding the run's tokenizer), or save "
+            "checkpoints with save_ckpt(..., tokenizer=tokenizer)",
+            err=True,
+        )
 
 
 @ckpt.command()
