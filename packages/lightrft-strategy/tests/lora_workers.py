@@ -70,7 +70,7 @@ def lora_sync_case(cfg: dict[str, Any], model_dir: str, out_dir: str) -> dict[st
     """Train the LoRA model (built from the saved base in ``model_dir``), sync it merged
     into the Hugging Face engine twice (the second after one more step: only the LoRA
     layers go), generate greedily, save the adapter and the merged model and a
-    checkpoint under ``out_dir``."""
+    checkpoint (with the tiny tokenizer) under ``out_dir``."""
     from transformers import AutoModelForCausalLM
 
     strategy = get_strategy({**cfg, "pretrain": model_dir})
@@ -85,7 +85,9 @@ def lora_sync_case(cfg: dict[str, Any], model_dir: str, out_dir: str) -> dict[st
     full = strategy.full_state_dict(model)
     strategy.save_model(model, None, f"{out_dir}/adapter")
     strategy.save_model(model, None, f"{out_dir}/merged", merge_lora=True)
-    strategy.save_ckpt(model, f"{out_dir}/ckpt")
+    from tests.workers import tiny_tokenizer
+
+    strategy.save_ckpt(model, f"{out_dir}/ckpt", tokenizer=tiny_tokenizer())
     strategy.close()
     return {
         "generated": [o.output_token_ids for o in out],

@@ -1,6 +1,7 @@
 """save_ckpt / load_ckpt in one process: a mismatched model named, the optimizer and
 client state held, a fresh optimizer before the first step, module-only loads, loaders
-created after a load, rotation around `latest`, foreign directories refused."""
+created after a load, rotation around `latest`, foreign directories and a tokenizer
+without save_pretrained refused."""
 
 from __future__ import annotations
 
@@ -102,7 +103,7 @@ def test_rotation_never_deletes_the_checkpoint_latest_names(
     assert fsdp2.load_ckpt(model, tmp_path)[0].endswith("step1")
 
 
-def test_save_refuses_to_replace_a_foreign_directory_and_bad_max_num(
+def test_save_refuses_a_foreign_directory_bad_max_num_and_a_bad_tokenizer(
     fsdp2: StrategyBase, tmp_path: Path
 ) -> None:
     from lightrft.strategy import CheckpointError
@@ -115,4 +116,6 @@ def test_save_refuses_to_replace_a_foreign_directory_and_bad_max_num(
     assert (tmp_path / "final" / "model.safetensors").read_bytes() == b"an export"
     with pytest.raises(ValueError, match="max_num=0 must be >= 1"):
         fsdp2.save_ckpt(model, tmp_path, max_num=0)
+    with pytest.raises(TypeError, match=r"tokenizer='tok/' \(str\) has no save_pretrained"):
+        fsdp2.save_ckpt(model, tmp_path, tokenizer="tok/")  # a path, not the tokenizer
     assert not (tmp_path / "global_step0").exists()

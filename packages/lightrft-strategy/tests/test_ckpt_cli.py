@@ -1,7 +1,8 @@
 """``lightrft ckpt`` on real FSDP2 checkpoints written by 2-rank gloo jobs, through the
 installed console script in a subprocess: info, export to Hugging Face (equal to
-``save_model``'s export, same logits in transformers), conversion that resumes exactly,
-and bad input (truncated, corrupt, foreign, occupied OUT, killed runs)."""
+``save_model``'s export, same logits in transformers, the tokenizer save_ckpt recorded or
+``--tokenizer``'s), conversion that resumes exactly, and bad input (truncated, corrupt,
+foreign, occupied OUT, killed runs, a directory without a tokenizer)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from lightrft.strategy import CheckpointError, StrategyBase
 from lightrft.strategy.checkpoint.staging import staged_output
 from lightrft.testing.launcher import run_distributed
 from tests import workers
@@ -51,16 +53,18 @@ def logits_of(directory: Path) -> torch.Tensor:
 
 @pytest.fixture(scope="module")
 def fsdp2_hf(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    """A save_dir and save_model's export of the same tiny Qwen2, after 2 FSDP2 steps."""
+    """A save_dir (saved with the tiny tokenizer) and save_model's export of the same
+    tiny Qwen2, after 2 FSDP2 steps."""
     root = tmp_path_factory.mktemp("fsdp2_hf")
     cfg = workers.config(train_batch_size=2, micro_train_batch_size=1)
     run_distributed(
-        workers.hf_checkpoint_case, 2, cfg, str(root / "ckpt"), str(root / "hf"), timeout=300
-    )
+        workers.hf_checkpoint_case, 2, cfg, str(root / "ckpt"), str(root / "hf"),
+        tokenizer=True, timeout=300,
+    )  # fmt: skip
     return root / "ckpt", root / "hf"
 
 
-def test_export_equals_save_model_and_gives_identical_logits(
+def test_export_equals_save_model_and_gives_identical_logits_and_the_tokenizer(
     fsdp2_hf: tuple[Path, Path], tmp_path: Path
 ) -> None:
     save_dir, saved_model = fsdp2_hf
@@ -68,6 +72,9 @@ def test_export_equals_save_model_and_gives_identical_logits(
     result = run_cli("ckpt", "export", save_dir, "--to", "hf", out, "--no-progress")
     expected = hf_weights(saved_model)
     assert f"{len(expected)} tensors" in result.stdout
+    assert "tokenizer from" in result.stdout and "no tokenizer" not in result.stderr
+    (tag,) = [p for p in save_dir.iterdir() if p.is_dir()]
+    workers.assert_tokenizer_of(out, tag / "tokenizer")  # OUT loads as it is
     assert f"verified {len(expected)} tensors, max abs diff 0" in result.stdout
     exported = hf_weights(out)
     assert exported.keys() == expected.keys()
@@ -97,6 +104,7 @@ def test_info_reports_tags_latest_and_incomplete_ones(
     assert good["complete"] is True
     assert (good["backend"], good["world_size"], good["global_step"]) == ("fsdp2", 2, 2)
     assert good["has_optimizer"] and good["has_scheduler"] and good["hf_config"]
+    assert good["tokenizer"] is True
     assert good["model_class"] == "transformers.models.qwen2.modeling_qwen2.Qwen2ForCausalLM"
     assert good["size_bytes"] == sum(
         p.stat().st_size
@@ -108,6 +116,7 @@ def test_info_reports_tags_latest_and_incomplete_ones(
     assert found["interrupted_saves"] == ["global_step11"]
     text = run_cli("ckpt", "info", save_dir).stdout
     assert "global_step9: INCOMPLETE" in text and "an interrupted save" in text
+    assert "HF config: yes; tokenizer: yes" in text
 
 
 def _bad_export(source: Path, out: Path, *extra: str) -> str:
@@ -152,6 +161,44 @@ def test_truncated_corrupt_and_foreign_inputs_are_refused(
 
     missing = tmp_path / "missing"
     assert "does not exist" in _bad_export(missing, out)
+
+
+def test_tokenizer_option_for_a_checkpoint_without_one_and_bad_tokenizer_paths(
+    fsdp2: StrategyBase, tmp_path: Path
+) -> None:
+    """Without a recorded tokenizer the export works and says how to add one;
+    ``--tokenizer DIR`` adds it; a DIR without a tokenizer is named, with the fix, and
+    nothing is written."""
+    from lightrft.strategy.checkpoint.export import export_hf
+    from lightrft.strategy.checkpoint.offline import open_checkpoint
+    from lightrft.testing.models import tiny_hf_causal_lm
+
+    model = fsdp2.prepare_model(tiny_hf_causal_lm(), is_training=True)
+    save_dir = fsdp2.save_ckpt(model, tmp_path / "ckpt").parent  # one rank, no tokenizer
+    plain = tmp_path / "plain"
+    result = run_cli("ckpt", "export", save_dir, "--to", "hf", plain, "--no-progress")
+    assert "note: no tokenizer was written" in result.stderr and "--tokenizer DIR" in result.stderr
+    assert sorted(p.name for p in plain.iterdir()) == ["config.json", "model.safetensors"]
+
+    workers.tiny_tokenizer().save_pretrained(str(tmp_path / "tok"))
+    out = tmp_path / "with_tokenizer"
+    result = run_cli("ckpt", "export", save_dir, "--to", "hf", out, "--no-progress",
+                     "--tokenizer", tmp_path / "tok")  # fmt: skip
+    assert f"tokenizer from {tmp_path / 'tok'}" in result.stdout and not result.stderr
+    workers.assert_tokenizer_of(out, tmp_path / "tok")
+    torch.testing.assert_close(logits_of(out), logits_of(plain), rtol=0, atol=0)
+
+    # a model directory without a tokenizer: the error names it and the fix
+    error = _bad_export(save_dir, tmp_path / "out", "--tokenizer", str(plain))
+    assert f"--tokenizer {plain} holds no tokenizer" in error and "save_pretrained" in error
+    source = open_checkpoint(save_dir)
+    with pytest.raises(CheckpointError, match=r"--tokenizer .*nowhere: no such directory"):
+        export_hf(source, tmp_path / "out", tokenizer=tmp_path / "nowhere")
+    (tmp_path / "broken").mkdir()
+    (tmp_path / "broken" / "tokenizer_config.json").write_text("{not json")
+    with pytest.raises(CheckpointError, match=r"broken: transformers' AutoTokenizer cannot"):
+        export_hf(source, tmp_path / "out", tokenizer=tmp_path / "broken")
+    assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out.partial-*"))
 
 
 def test_an_occupied_output_is_refused_without_force(
@@ -248,6 +295,8 @@ def test_state_that_cannot_be_carried_is_named_and_refused(
     assert "dropped: optimizer" in done.stdout
     info = json.loads(run_cli("ckpt", "info", out, "--json").stdout)
     assert info["tags"][0]["has_optimizer"] is False
+    assert info["tags"][0]["tokenizer"] is True  # carried, and listed in the metadata
+    workers.assert_tokenizer_of(out / info["tags"][0]["tag"] / "tokenizer")
 
 
 def test_verification_compares_bits_not_summaries() -> None:

@@ -18,7 +18,7 @@ from lightrft.strategy.lora import LoraError, MergedWeights, apply_lora, base_na
 from lightrft.testing.launcher import run_distributed
 from lightrft.testing.models import greedy_reference, save_tiny_qwen2, tiny_hf_causal_lm
 
-from . import lora_workers
+from . import lora_workers, workers
 from .lora_workers import LORA, PROBE
 
 peft = pytest.importorskip("peft", reason="the lora extra (peft) is part of the test group")
@@ -222,6 +222,9 @@ def test_merged_sync_generates_as_transformers_on_the_merged_model_and_exports(
         torch.testing.assert_close(adapter(input_ids=probe).logits, want, rtol=1e-5, atol=1e-5)
         plain = AutoModelForCausalLM.from_pretrained(str(out / "merged"))
         torch.testing.assert_close(plain(input_ids=probe).logits, want, rtol=1e-5, atol=1e-5)
+    (tag,) = [p for p in ckpt.iterdir() if p.is_dir()]
+    for exported in (out / "adapter", out / "merged"):  # the tokenizer save_ckpt recorded
+        workers.assert_tokenizer_of(exported, tag / "tokenizer")
     if backend["backend"] != "deepspeed":
         return  # converting to DeepSpeed needs DeepSpeed: the ZeRO-3 case converts
     # `lightrft ckpt convert` of the ZeRO-3 checkpoint to FSDP2 keeps the adapter: exported
@@ -238,6 +241,7 @@ def test_merged_sync_generates_as_transformers_on_the_merged_model_and_exports(
     with torch.no_grad():
         plain = AutoModelForCausalLM.from_pretrained(str(out / "converted"))
         torch.testing.assert_close(plain(input_ids=probe).logits, want, rtol=1e-5, atol=1e-5)
+    workers.assert_tokenizer_of(out / "converted", tag / "tokenizer")  # carried, exported
 
 
 @pytest.mark.distributed

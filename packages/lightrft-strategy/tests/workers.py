@@ -577,11 +577,53 @@ def train_tiny_hf(cfg: dict[str, Any], steps: int = 2) -> tuple[Any, Any]:
     return strategy, actor
 
 
-def hf_checkpoint_case(cfg: dict[str, Any], save_dir: str, hf_dir: str, steps: int = 2) -> None:
-    """Train a tiny HF causal LM ``steps`` steps, then ``save_ckpt`` to ``save_dir`` and
-    ``save_model`` to ``hf_dir``: the two outputs ``lightrft ckpt export`` must agree on."""
+def tiny_tokenizer() -> Any:
+    """A character-level ``PreTrainedTokenizerFast`` built here (no download), as
+    examples/arithmetic.py's: ``0-9 + = a-z`` are ids 0-37, then ``<eos>``, ``<pad>``,
+    ``<unk>`` (within the tiny model's vocabulary of 128)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    chars = "0123456789+=abcdefghijklmnopqrstuvwxyz"
+    vocab = {c: i for i, c in enumerate(chars)} | {"<eos>": 38, "<pad>": 39, "<unk>": 40}
+    core = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
+    core.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=core, eos_token="<eos>", pad_token="<pad>", unk_token="<unk>"
+    )
+
+
+#: text for the tokenizer checks, and its ids. Known characters only: transformers 5
+#: loads a tokenizer beside a qwen2 config.json as Qwen2Tokenizer, rebuilt from its
+#: vocabulary (as it does with save_model's output), which drops what the WordLevel
+#: model maps to <unk>
+TOKENIZER_TEXT = "17+25=42ok<eos>"
+TOKENIZER_IDS = [1, 7, 10, 2, 5, 11, 4, 2, 26, 22, 38]
+
+
+def assert_tokenizer_of(directory: Path, saved: Path | None = None) -> None:
+    """``directory`` loads with AutoTokenizer as it is and encodes as
+    :func:`tiny_tokenizer`; its files are ``saved``'s, byte for byte."""
+    from transformers import AutoTokenizer
+
+    original = tiny_tokenizer()
+    loaded = AutoTokenizer.from_pretrained(str(directory))
+    assert loaded(TOKENIZER_TEXT)["input_ids"] == original(TOKENIZER_TEXT)["input_ids"]
+    assert original(TOKENIZER_TEXT)["input_ids"] == TOKENIZER_IDS
+    assert (loaded.eos_token_id, loaded.pad_token_id) == (38, 39)
+    for file in saved.iterdir() if saved is not None else ():
+        assert (directory / file.name).read_bytes() == file.read_bytes(), file.name
+
+
+def hf_checkpoint_case(
+    cfg: dict[str, Any], save_dir: str, hf_dir: str, steps: int = 2, tokenizer: bool = False
+) -> None:
+    """Train a tiny HF causal LM ``steps`` steps, then ``save_ckpt`` to ``save_dir`` (with
+    :func:`tiny_tokenizer` when ``tokenizer``) and ``save_model`` to ``hf_dir``: the two
+    outputs ``lightrft ckpt export`` must agree on."""
     strategy, actor = train_tiny_hf(cfg, steps)
-    strategy.save_ckpt(actor, save_dir)
+    strategy.save_ckpt(actor, save_dir, tokenizer=tiny_tokenizer() if tokenizer else None)
     strategy.save_model(actor, None, hf_dir)
     strategy.close()
 
