@@ -198,10 +198,6 @@ class Run:
             raise SystemExit(str(exc)) from None
         self.stops = stop_ids(self.tokenizer, model_dir)
         self.model_dir = model_dir
-        # the trainer's weights change with each optimizer step it takes: the engine is
-        # synced once per such version (an evaluation and the RL step after it share one)
-        self.version, self.engine_version = 0, -1
-        self.synced_version: int | None = None
         self.pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         actor, reference = _load_model(model_dir), _load_model(model_dir)
         if config.lora_rank > 0:  # --lora_rank N: train a peft LoRA adapter, the base frozen
@@ -248,12 +244,9 @@ class Run:
         return list(self.tokenizer(text, add_special_tokens=False).input_ids)
 
     def sync(self) -> dict[str, Any]:
-        """Send the policy's weights to the engine unless it holds this version already."""
-        if self.engine_version == self.version:
-            return {"gather_s": 0.0, "load_s": 0.0, "weight_version": self.synced_version}
-        stats = self.strategy.update_engine_weights(self.actor)
-        self.engine_version, self.synced_version = self.version, stats.get("weight_version")
-        return stats
+        """Send the policy's weights to the engine unless it holds them already (an
+        evaluation and the RL step after it share one sync)."""
+        return self.strategy.update_engine_weights(self.actor, skip_unchanged=True)
 
     def draw(self, step: int, count: int) -> list[dict[str, Any]]:
         """This replica's ``count`` training problems of ``step`` (seeded)."""
@@ -276,7 +269,6 @@ class Run:
             self.strategy.backward(loss, self.actor, self.optim)
             self.strategy.optimizer_step(self.optim, self.actor, self.sched)
             parts.append(numbers)
-        self.version += 1
         return parts, time.perf_counter() - t0
 
     def sft_step(self, step: int) -> dict[str, Any]:
@@ -499,7 +491,7 @@ def train(config: StrategyConfig, opts: argparse.Namespace) -> dict[str, Any]:
         if step == opts.sft_steps:
             run.save_warm_model()
         if step % opts.save_every == 0 or step == last_step or step == opts.sft_steps:
-            state = {"step": step, "steps": run.total, "version": run.version}
+            state = {"step": step, "steps": run.total}
             # tagged by the job's step: a skipped step takes no optimizer step
             last = strategy.save_ckpt(
                 run.actor, out / "checkpoints", tag=f"global_step{step}", client_state=state
@@ -522,7 +514,6 @@ def resume(run: Run) -> int:
     """Load the run's latest checkpoint; returns the step to continue from."""
     _, client = run.strategy.load_ckpt(run.actor, run.out / "checkpoints")
     first = int(client["step"]) + 1
-    run.version = int(client.get("version", first))
     if client.get("steps", run.total) != run.total and run.rank == 0:
         log.warning(
             "resuming a run of %s steps with %s: the learning-rate schedule now spans %s "

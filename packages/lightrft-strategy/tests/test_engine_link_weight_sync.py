@@ -298,3 +298,44 @@ def test_real_hf_engine_generates_from_the_trained_weights_on_two_ranks(
         assert "x.model.embed_tokens.weight" in r["errors"]["names"]
         assert "keeps its previous weights" in r["errors"]["names"] and r["kept"]
         assert "the engine's weights are not the trainer's" in r["errors"]["stale"]
+
+
+def test_a_sync_of_unchanged_weights_says_so_and_is_skipped_when_asked(
+    single: Callable[..., FSDP2Strategy], tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The engine holds the trainer's weights until an optimizer step, a load or a
+    discarding sleep changes that: a sync then says so, and ``skip_unchanged`` sends
+    nothing (an evaluation and the training step after it share one sync)."""
+    strategy = single(train_batch_size=2, micro_train_batch_size=2, bf16=False, max_norm=1.0)
+    model = strategy.prepare_model(workers.TinyRegressor(), is_training=True)
+    optim = strategy.create_optimizer(model)
+    engine = strategy.setup_inference_engine(FakeEngine())
+    first = strategy.update_engine_weights(model, skip_unchanged=True)
+    assert first["tensors"] > 0 and "skipped" not in first and len(engine.syncs) == 1
+    with caplog.at_level("INFO", logger="lightrft.strategy.engine_link"):
+        held = strategy.update_engine_weights(model, skip_unchanged=True)
+        assert held["skipped"] is True and held["tensors"] == 0 and len(engine.syncs) == 1
+        assert "the engine holds these weights already" in caplog.text
+        assert strategy.update_engine_weights(model)["tensors"] == first["tensors"]  # default
+        assert "sending them again" in caplog.text and len(engine.syncs) == 2
+    assert not workers.grads_step(strategy, model, optim, float("nan"))  # a skipped step
+    assert strategy.update_engine_weights(model, skip_unchanged=True)["skipped"]
+    assert workers.grads_step(strategy, model, optim, 1.0)  # an applied step
+    stepped = strategy.update_engine_weights(model, skip_unchanged=True)
+    assert "skipped" not in stepped and engine.syncs[-1] != engine.syncs[-2]
+    torch.save(workers.TinyRegressor().state_dict(), tmp_path / "other.pt")
+    strategy.load_model(model, tmp_path / "other.pt")  # a load changes the weights too
+    assert "skipped" not in strategy.update_engine_weights(model, skip_unchanged=True)
+    assert strategy.update_engine_weights(model, skip_unchanged=True)["skipped"]
+    # another dtype is another sync
+    assert "skipped" not in strategy.update_engine_weights(
+        model, dtype=torch.bfloat16, skip_unchanged=True
+    )
+    # a level-2 sleep discards the engine's weights: they are sent
+    sleeper = single(enable_engine_sleep=True, engine_sleep_level=2)
+    plain = workers.TinyRegressor()
+    sleepy = sleeper.setup_inference_engine(FakeEngine())
+    sleeper.update_engine_weights(plain)
+    sleeper.maybe_sleep_inference_engine()
+    assert "skipped" not in sleeper.update_engine_weights(plain, skip_unchanged=True)
+    assert len(sleepy.syncs) == 2

@@ -143,6 +143,7 @@ class Backend(ABC):
             scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         state.global_steps += 1
+        state.weight_changes += 1
         return True
 
     # -- moving state between devices ------------------------------------------------------

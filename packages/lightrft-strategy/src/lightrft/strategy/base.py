@@ -732,6 +732,7 @@ class StrategyBase(UpstreamAttributes, UpstreamEngineCalls):
                 path, len(missing), shown(missing), len(unexpected), shown(unexpected),
             )  # fmt: skip
         self.backend.load_full_weights(model, {k: v for k, v in state.items() if k in expected})
+        self.step_state(model).weight_changes += 1
 
     def moving_average(
         self, model: nn.Module, model_ema: nn.Module, beta: float = 0.992, device: str = "cpu"
@@ -751,6 +752,7 @@ class StrategyBase(UpstreamAttributes, UpstreamEngineCalls):
         if steps.micro_steps and self._ema_steps.get(ema, 0) >= steps.global_steps:
             return False
         self.backend.update_ema(model, model_ema, beta)
+        self.step_state(model_ema).weight_changes += 1
         self._ema_steps[ema] = steps.global_steps
         return True
 

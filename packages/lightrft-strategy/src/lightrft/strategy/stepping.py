@@ -31,6 +31,10 @@ class StepState:
     global_steps: int = 0
     skipped_steps: int = 0
     last_grad_norm: float | None = None
+    #: Times the strategy changed the weights: optimizer steps applied, loads
+    #: (``load_model``, ``load_ckpt``) and EMA updates. A weight sync that finds the
+    #: number unchanged since its last one knows the engine holds these weights.
+    weight_changes: int = 0
 
 
 class StepStates:

@@ -135,12 +135,15 @@ class UpstreamEngineCalls:
         name_map: Callable[[str], str | None] | None = None,
         dtype: torch.dtype | None = None,
         verify: bool | None = None,
+        skip_unchanged: bool = False,
     ) -> dict[str, Any]:
-        """Send ``model``'s full weights to the engine; see
-        :meth:`EngineLink.update_engine_weights`. Collective."""
+        """Send ``model``'s full weights to the engine (with ``skip_unchanged``, nothing
+        when the engine holds them already); see :meth:`EngineLink.update_engine_weights`.
+        Collective."""
         return self.engine_link.update_engine_weights(
-            model, bucket_bytes=bucket_bytes, name_map=name_map, dtype=dtype, verify=verify
-        )
+            model, bucket_bytes=bucket_bytes, name_map=name_map, dtype=dtype, verify=verify,
+            skip_unchanged=skip_unchanged,
+        )  # fmt: skip
 
     def verify_engine_weights(
         self,

@@ -263,6 +263,7 @@ def load_checkpoint(
     step_state = subject.steps
     step_state.global_steps = int(steps["global_steps"])
     step_state.micro_steps = int(steps["micro_steps"])
+    step_state.weight_changes += 1
     ranks.barrier()
     if rank == 0:
         logger.info("loaded checkpoint %s", info.path)

@@ -403,6 +403,7 @@ class DeepSpeedBackend(Backend):
         if engine.lr_scheduler is None and scheduler is not None:
             scheduler.step()
         state.global_steps += 1
+        state.weight_changes += 1
         return True
 
     # -- offloading ------------------------------------------------------------------------

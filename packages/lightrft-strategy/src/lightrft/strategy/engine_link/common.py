@@ -77,6 +77,11 @@ class EngineHost:
         #: LoRA models whose merged weights reached this engine in full once: later
         #: syncs send only what the adapter can change.
         self._synced_in_full: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+        #: Per model: what the engine got at the last sync (the model's weight_changes,
+        #: the engine's weight_version after it, the sync's renaming and dtype).
+        self._engine_holds: weakref.WeakKeyDictionary[nn.Module, tuple[Any, ...]] = (
+            weakref.WeakKeyDictionary()
+        )
 
     @property
     def config(self) -> StrategyConfig:
@@ -99,6 +104,10 @@ class EngineHost:
 
     def unwrap_model(self, model: nn.Module) -> nn.Module:
         return self.strategy.unwrap_model(model)
+
+    def _weight_changes(self, model: nn.Module) -> int:
+        """How often the strategy has changed ``model``'s weights (its StepState)."""
+        return self.strategy.step_state(model).weight_changes
 
     def _require_setup(self, what: str) -> None:
         self.strategy._require_setup(what)

@@ -84,6 +84,7 @@ class WeightSyncCalls(AdapterSyncCalls):
         name_map: Callable[[str], str | None] | None = None,
         dtype: torch.dtype | None = None,
         verify: bool | None = None,
+        skip_unchanged: bool = False,
     ) -> dict[str, Any]:
         """Send ``model``'s full weights to the engine, gathered one tensor at a time and
         streamed in buckets of at most ``bucket_bytes`` (a tensor larger than that goes
@@ -109,6 +110,15 @@ class WeightSyncCalls(AdapterSyncCalls):
         naming it and ``lora_sync="merged"``. ``lora`` in the result says which
         (``"merged"``, ``"merged_delta"``, ``"adapter"``).
 
+        The engine already holds ``model``'s weights when nothing changed them since the
+        last sync of ``model`` to it (no optimizer step applied, no ``load_model``,
+        ``load_ckpt`` or EMA update: the model's ``StepState.weight_changes``), with the
+        same ``name_map`` and ``dtype``, the engine counting no other sync since
+        (``weight_version``) and its weights not discarded by a level-2 sleep. Then the
+        sync logs so and, with ``skip_unchanged``, sends nothing (``skipped`` in the
+        result; a sleeping engine is still woken). Weights edited in place behind the
+        strategy's back are not seen: sync those without ``skip_unchanged``.
+
         Returns ``tensors``, ``buckets`` (the engine calls that carried tensors: 1 for a
         stream), ``bytes``, ``gather_s`` (gathering full tensors), ``load_s`` (inside
         the engine's ``update_weights`` and ``finish_weight_update``, or its stream call
@@ -118,8 +128,15 @@ class WeightSyncCalls(AdapterSyncCalls):
         self._require_setup("update_engine_weights")
         with roll_call.guard("update_engine_weights"):
             return self._update_engine_weights(
-                model, bucket_bytes=bucket_bytes, name_map=name_map, dtype=dtype, verify=verify
-            )
+                model, bucket_bytes=bucket_bytes, name_map=name_map, dtype=dtype, verify=verify,
+                skip_unchanged=skip_unchanged,
+            )  # fmt: skip
+
+    def _holds(self, engine: Any, model: nn.Module, module: nn.Module, how: tuple[Any, ...]) -> bool:
+        """Whether ``engine`` holds ``module``'s current weights as synced with ``how``."""
+        discarded = self.config.sleep_level == 2 and bool(self._sleeping(["weights"]))
+        now = (self._weight_changes(model), weight_version(engine), *how)
+        return not discarded and self._engine_holds.get(module) == now
 
     def _update_engine_weights(
         self,
@@ -129,6 +146,7 @@ class WeightSyncCalls(AdapterSyncCalls):
         name_map: Callable[[str], str | None] | None,
         dtype: torch.dtype | None,
         verify: bool | None,
+        skip_unchanged: bool = False,
     ) -> dict[str, Any]:
         engine = self.inference_engine
         if engine is None:  # as upstream's: a trainer without rollouts carries on
@@ -142,10 +160,26 @@ class WeightSyncCalls(AdapterSyncCalls):
             raise ValueError(f"bucket_bytes={bucket_bytes} must be >= 1")
         module = self.unwrap_model(model)
         offered = capabilities_module()
+        how = (id(engine), name_map, dtype)
+        if self._holds(engine, model, module, how):
+            changes = self._weight_changes(model)
+            if skip_unchanged:
+                logger.info("update_engine_weights: the engine holds these weights already "
+                            "(%d weight changes); nothing sent", changes)  # fmt: skip
+                self._wake(None, blind=False)
+                held = {"tensors": 0, "buckets": 0, "bytes": 0, "gather_s": 0.0, "load_s": 0.0,
+                        "weight_version": weight_version(engine), "skipped": True}  # fmt: skip
+                if self.config.verify_engine_sync if verify is None else verify:
+                    held.update(self.verify_engine_weights(model))
+                return held
+            logger.info("update_engine_weights: the engine holds these weights already (%d "
+                        "weight changes); sending them again (skip_unchanged=True skips such "
+                        "a sync)", changes)  # fmt: skip
         if self.config.lora_sync == "adapter" and lora.is_lora_model(module):
             adapter_stats = self._send_adapter(
                 engine, model, module, name_map=name_map, dtype=dtype
             )
+            self._engine_holds[module] = (self._weight_changes(model), weight_version(engine), *how)
             if self.config.verify_engine_sync if verify is None else verify:
                 adapter_stats.update(self.verify_engine_weights(model))
             return adapter_stats
@@ -209,6 +243,7 @@ class WeightSyncCalls(AdapterSyncCalls):
         if merge is not None:
             stats["lora"] = "merged_delta" if merge.only_touched else "merged"
             self._synced_in_full.add(module)
+        self._engine_holds[module] = (self._weight_changes(model), weight_version(engine), *how)
         if self.config.verify_engine_sync if verify is None else verify:
             stats.update(self.verify_engine_weights(model))
         return stats
