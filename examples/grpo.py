@@ -494,8 +494,9 @@ def train(config: StrategyConfig, opts: argparse.Namespace) -> dict[str, Any]:
             state = {"step": step, "steps": run.total}
             # tagged by the job's step: a skipped step takes no optimizer step
             last = strategy.save_ckpt(
-                run.actor, out / "checkpoints", tag=f"global_step{step}", client_state=state
-            )
+                run.actor, out / "checkpoints", tag=f"global_step{step}", client_state=state,
+                tokenizer=run.tokenizer,
+            )  # fmt: skip
     if last_step == run.total:  # the finished run's model, ready to load or serve
         strategy.save_model(run.actor, run.tokenizer, out / "final_model", merge_lora=True)
     runlog.close()

@@ -9,11 +9,13 @@ reproduces the uninterrupted run step for step."""
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from lightrft.testing.launcher import run_torchrun
 
@@ -86,6 +88,7 @@ def test_rl_raises_held_out_accuracy_and_resumes_exactly(
     assert versions == sorted(set(versions)), versions  # a sync every step
     assert (full / "plot.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     _assert_tensorboard_holds(full / "tensorboard", rows)
+    _assert_export_loads_with_its_tokenizer(full, tmp_path / "export")
     run_torchrun(GRPO, *common, "--stop-after", "10", "--out", str(part), timeout=600)
     assert [r["step"] for r in _metrics(part)] == list(range(11))
     run_torchrun(GRPO, *common, "--resume", "--out", str(part), timeout=600)
@@ -93,6 +96,27 @@ def test_rl_raises_held_out_accuracy_and_resumes_exactly(
     assert [r["step"] for r in resumed] == list(range(21))
     for a, b in zip(rows, resumed, strict=True):  # exact on CPU: seeded rollouts, restored state
         assert {k: a.get(k) for k in SAME} == {k: b.get(k) for k in SAME}, a["step"]
+
+
+def _assert_export_loads_with_its_tokenizer(run: Path, out: Path) -> None:
+    """``lightrft ckpt export`` of the run's last checkpoint is a model directory that
+    loads as it is, tokenizer included, with the finished run's weights."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    lightrft = str(Path(sys.executable).with_name("lightrft"))
+    done = subprocess.run([lightrft, "ckpt", "export", str(run / "checkpoints"), "--to", "hf",
+                           str(out)], capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    original = AutoTokenizer.from_pretrained(run / "final_model")
+    assert tokenizer("07+25=").input_ids == original("07+25=").input_ids
+    AutoModelForCausalLM.from_pretrained(out)
+    exported, final = load_file(str(out / "model.safetensors")), load_file(
+        str(run / "final_model" / "model.safetensors")
+    )
+    assert exported.keys() == final.keys()
+    assert all(torch.equal(exported[k], final[k]) for k in final)
 
 
 def _assert_tensorboard_holds(directory: Path, rows: list[dict[str, Any]]) -> None:
