@@ -58,7 +58,13 @@ CARRIED = [
     "hjson",
     "deepspeed",
     "pytest-timeout",
-]
+    # the demos' run log (lightrft-strategy[tracking]): matplotlib and TensorBoard with
+    # what they need beyond numpy, packaging and tqdm
+    "matplotlib", "contourpy", "cycler", "fonttools", "kiwisolver", "pyparsing",
+    "python-dateutil", "six", "pillow",
+    "tensorboard", "tensorboard-data-server", "absl-py", "grpcio", "markdown", "protobuf",
+    "werkzeug", "markupsafe",
+]  # fmt: skip
 SOURCE_ONLY = {"deepspeed"}  # published as an sdist only: built into a wheel here
 
 

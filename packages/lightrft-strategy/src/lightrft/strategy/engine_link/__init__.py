@@ -77,6 +77,7 @@ class EngineLink(WeightSyncCalls):
         self._warned_no_sleep = False
         self._slept_tags = frozenset()
         self._synced_in_full = weakref.WeakSet()
+        self._engine_holds = weakref.WeakKeyDictionary()
         if actor is not None:
             self.update_engine_weights(actor)
         if built:
