@@ -112,8 +112,9 @@ def _assert_export_loads_with_its_tokenizer(run: Path, out: Path) -> None:
     original = AutoTokenizer.from_pretrained(run / "final_model")
     assert tokenizer("07+25=").input_ids == original("07+25=").input_ids
     AutoModelForCausalLM.from_pretrained(out)
-    exported, final = load_file(str(out / "model.safetensors")), load_file(
-        str(run / "final_model" / "model.safetensors")
+    exported, final = (
+        load_file(str(out / "model.safetensors")),
+        load_file(str(run / "final_model" / "model.safetensors")),
     )
     assert exported.keys() == final.keys()
     assert all(torch.equal(exported[k], final[k]) for k in final)

@@ -132,11 +132,42 @@ class WeightSyncCalls(AdapterSyncCalls):
                 skip_unchanged=skip_unchanged,
             )  # fmt: skip
 
-    def _holds(self, engine: Any, model: nn.Module, module: nn.Module, how: tuple[Any, ...]) -> bool:
+    def _holds(
+        self, engine: Any, model: nn.Module, module: nn.Module, how: tuple[Any, ...]
+    ) -> bool:
         """Whether ``engine`` holds ``module``'s current weights as synced with ``how``."""
         discarded = self.config.sleep_level == 2 and bool(self._sleeping(["weights"]))
         now = (self._weight_changes(model), weight_version(engine), *how)
         return not discarded and self._engine_holds.get(module) == now
+
+    def _held(
+        self,
+        engine: Any,
+        model: nn.Module,
+        module: nn.Module,
+        how: tuple[Any, ...],
+        *,
+        verify: bool | None,
+        skip: bool,
+    ) -> dict[str, Any] | None:
+        """When the engine holds ``module``'s weights: log so, and with ``skip`` wake it
+        and return the stats of a sync that sent nothing. None: sync."""
+        if not self._holds(engine, model, module, how):
+            return None
+        changes = self._weight_changes(model)
+        if not skip:
+            logger.info("update_engine_weights: the engine holds these weights already (%d "
+                        "weight changes); sending them again (skip_unchanged=True skips such "
+                        "a sync)", changes)  # fmt: skip
+            return None
+        logger.info("update_engine_weights: the engine holds these weights already (%d "
+                    "weight changes); nothing sent", changes)  # fmt: skip
+        self._wake(None, blind=False)
+        held = {"tensors": 0, "buckets": 0, "bytes": 0, "gather_s": 0.0, "load_s": 0.0,
+                "weight_version": weight_version(engine), "skipped": True}  # fmt: skip
+        if self.config.verify_engine_sync if verify is None else verify:
+            held.update(self.verify_engine_weights(model))
+        return held
 
     def _update_engine_weights(
         self,
@@ -161,20 +192,9 @@ class WeightSyncCalls(AdapterSyncCalls):
         module = self.unwrap_model(model)
         offered = capabilities_module()
         how = (id(engine), name_map, dtype)
-        if self._holds(engine, model, module, how):
-            changes = self._weight_changes(model)
-            if skip_unchanged:
-                logger.info("update_engine_weights: the engine holds these weights already "
-                            "(%d weight changes); nothing sent", changes)  # fmt: skip
-                self._wake(None, blind=False)
-                held = {"tensors": 0, "buckets": 0, "bytes": 0, "gather_s": 0.0, "load_s": 0.0,
-                        "weight_version": weight_version(engine), "skipped": True}  # fmt: skip
-                if self.config.verify_engine_sync if verify is None else verify:
-                    held.update(self.verify_engine_weights(model))
-                return held
-            logger.info("update_engine_weights: the engine holds these weights already (%d "
-                        "weight changes); sending them again (skip_unchanged=True skips such "
-                        "a sync)", changes)  # fmt: skip
+        held = self._held(engine, model, module, how, verify=verify, skip=skip_unchanged)
+        if held is not None:
+            return held
         if self.config.lora_sync == "adapter" and lora.is_lora_model(module):
             adapter_stats = self._send_adapter(
                 engine, model, module, name_map=name_map, dtype=dtype
