@@ -69,3 +69,48 @@ def test_plot_has_one_panel_per_kind_with_a_legend(tmp_path: Path) -> None:
 
     height, width, _ = image.imread(path).shape
     assert (width, height) == (1200, 300)  # two panels side by side: the absent one dropped
+
+
+def test_samples_go_to_jsonl_and_tensorboard_text_and_a_resume_drops_the_later_ones(
+    tmp_path: Path,
+) -> None:
+    log = RunLog(tmp_path, rank=0, steps=3, tensorboard=True)
+    for step in (1, 2, 3):
+        log.log_samples(step, [{"prompt": "1+1=", "completion": f"{step} | x", "reward": 0.0}])
+    log.close()
+    rows = read_metrics(tmp_path / "samples.jsonl")
+    assert [(r["step"], r["kind"], r["completion"]) for r in rows] == [
+        (1, "rollout", "1 | x"), (2, "rollout", "2 | x"), (3, "rollout", "3 | x")
+    ]  # fmt: skip
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(tmp_path / "tensorboard"), size_guidance={"tensors": 0})
+    events.Reload()
+    text = events.Tensors("samples/rollout/text_summary")
+    assert [e.step for e in text] == [1, 2, 3]
+    table = text[0].tensor_proto.string_val[0].decode()
+    assert "| prompt | completion | reward |" in table and "1 \\| x" in table
+    resumed = RunLog(tmp_path, rank=0, steps=3, first=2)
+    resumed.close()
+    assert [r["step"] for r in read_metrics(tmp_path / "samples.jsonl")] == [1]
+
+
+def test_evaluations_are_markers_without_a_line_and_log_panels_are_log_scaled(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from matplotlib.figure import Figure
+
+    drawn: list[Figure] = []
+    monkeypatch.setattr(Figure, "savefig", lambda self, *a, **k: drawn.append(self))
+    rows = [{"step": s, "reward": s / 10, "rollout_kl": 1e-11 * s} for s in range(1, 11)]
+    for row in rows[::5]:
+        row["held_out_accuracy"] = 0.5
+    plot_metrics(rows, tmp_path / "plot.png",
+                 {"fraction": ["reward", "held_out_accuracy"], "mismatch": ["rollout_kl"]},
+                 log_scale=["mismatch"])  # fmt: skip
+    fraction, mismatch = drawn[0].axes
+    lines = {line.get_label(): line for line in fraction.get_lines()}
+    assert lines["reward"].get_linestyle() == "-"
+    assert lines["held_out_accuracy"].get_linestyle() == "None"
+    assert lines["held_out_accuracy"].get_marker() not in (None, "None", "")
+    assert (fraction.get_yscale(), mismatch.get_yscale()) == ("linear", "log")
