@@ -723,7 +723,8 @@ def _show(title: str, examples: list[dict[str, Any]]) -> None:
     for e in examples:
         mark = "right" if e["reward"] else "wrong"
         completion = " ".join(e["completion"].split())[:160]
-        print(f"  [{mark}] {e['prompt'][-80:]!r} -> {completion!r} (answer {e['answer']})")
+        prompt = e["prompt"] if len(e["prompt"]) <= 100 else e["prompt"][:97] + "..."
+        print(f"  [{mark}] {prompt!r} -> {completion!r} (answer {e['answer']})")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -89,6 +89,8 @@ def test_rl_raises_held_out_accuracy_and_resumes_exactly(
     assert (full / "plot.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     _assert_tensorboard_holds(full / "tensorboard", rows)
     _assert_export_loads_with_its_tokenizer(full, tmp_path / "export")
+    if backend[1] != "fsdp2":
+        return  # the interrupted run once (FSDP2): ZeRO-3's resume is test_deepspeed's
     run_torchrun(GRPO, *common, "--stop-after", "10", "--out", str(part), timeout=600)
     assert [r["step"] for r in _metrics(part)] == list(range(11))
     run_torchrun(GRPO, *common, "--resume", "--out", str(part), timeout=600)
