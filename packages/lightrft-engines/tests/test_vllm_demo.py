@@ -19,7 +19,8 @@ pytestmark = [pytest.mark.vllm, pytest.mark.distributed, pytest.mark.timeout(900
 GRPO = Path(__file__).resolve().parents[3] / "examples" / "grpo.py"
 SAME = ("reward", "loss", "kl", "entropy", "logprob_abs_diff", "held_out_accuracy")
 VLLM = ["--backend", "fsdp2", "--engine_type", "vllm", "--engine_tp_size", "2",
-        "--engine_max_model_len", "32", "--sft-steps", "0", "--min-gain", "-1", "--recipe", "demo"]  # fmt: skip
+        "--engine_max_model_len", "32", "--sft-steps", "0", "--min-gain", "-1",
+        "--recipe", "demo"]  # fmt: skip
 
 
 @pytest.fixture(scope="module")

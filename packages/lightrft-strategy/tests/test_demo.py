@@ -49,17 +49,9 @@ def warm_model() -> Path:
 
 
 def _rl(warm: Path, *args: str) -> list[str]:
-    return [
-        "--pretrain",
-        str(warm),
-        "--recipe",
-        "demo",
-        "--sft-steps",
-        "0",
-        "--min-gain",
-        "-1",
-        *args,
-    ]
+    """RL from the warm-up's model with the demo's tuned rates (not --pretrain's)."""
+    return ["--pretrain", str(warm), "--recipe", "demo", "--sft-steps", "0", "--min-gain", "-1",
+            *args]  # fmt: skip
 
 
 @pytest.mark.distributed

@@ -73,17 +73,9 @@ def test_problems_come_from_jsonl_files(problems: tuple[Path, Path], tmp_path: P
 
 
 def _rl(warm: Path, *args: str) -> list[str]:
-    return [
-        "--pretrain",
-        str(warm),
-        "--recipe",
-        "demo",
-        "--sft-steps",
-        "0",
-        "--min-gain",
-        "-1",
-        *args,
-    ]
+    """RL from the warm-up's model with the demo's tuned rates (not --pretrain's)."""
+    return ["--pretrain", str(warm), "--recipe", "demo", "--sft-steps", "0", "--min-gain", "-1",
+            *args]  # fmt: skip
 
 
 @pytest.mark.timeout(600)
