@@ -63,12 +63,13 @@ from prompting import PromptEncoder, stop_ids  # noqa: E402
 #: TRL's GRPOConfig, verl's actor, OpenRLHF and upstream LightRFT's train_colocate.py),
 #: a KL loss to the reference of 0.001 (verl's GRPO example scripts, k3 as here), no
 #: weight decay (the config's l2, 0 in grpo.yaml: TRL's, OpenRLHF's and LightRFT's
-#: default), and no gain check (a user's run reports its gain and exits 0).
+#: default), completions of up to 512 tokens (TRL's max_completion_length), and no
+#: gain check (a user's run reports its gain and exits 0).
 RECIPES: dict[str, dict[str, Any]] = {
     "demo": {"sft_learning_rate": 1e-3, "rl_learning_rate": 2e-4, "kl_coef": 0.0,
-             "min_gain": 0.1},
+             "new_tokens": 4, "min_gain": 0.1},
     "pretrained": {"sft_learning_rate": 1e-5, "rl_learning_rate": 1e-6, "kl_coef": 1e-3,
-                   "min_gain": None},
+                   "new_tokens": 512, "min_gain": None},
 }  # fmt: skip
 
 log = logging.getLogger("grpo")
@@ -599,8 +600,9 @@ def parse(argv: list[str] | None) -> tuple[StrategyConfig, argparse.Namespace]:
         "--recipe",
         choices=("auto", "demo", "pretrained"),
         default="auto",
-        help="the defaults of the rates, KL and gain check: demo (tuned for the built-in "
-        "tiny model) or pretrained (published GRPO recipes'); auto: pretrained with --pretrain",
+        help="the defaults of the rates, KL, completion length and gain check: demo (tuned for "
+        "the built-in tiny model) or pretrained (published GRPO recipes'); auto: pretrained "
+        "with --pretrain",
     )
     add("--operand-limit", type=int, default=30, help="built-in task: a+b with a, b below this")
     add(
@@ -609,7 +611,12 @@ def parse(argv: list[str] | None) -> tuple[StrategyConfig, argparse.Namespace]:
         default=0.6,
         help="built-in task: share of carrying sums whose warm-up demonstration drops the carry",
     )
-    add("--new-tokens", type=int, default=4, help="most tokens per completion")
+    add(
+        "--new-tokens",
+        type=int,
+        default=None,
+        help=f"most tokens per completion {recipe('new_tokens')}",
+    )
     add("--temperature", type=float, default=1.0, help="sampling temperature of rollouts")
     add(
         "--sft-learning-rate",

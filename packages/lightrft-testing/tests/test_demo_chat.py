@@ -194,6 +194,7 @@ def test_help_shows_the_defaults_a_run_uses(
     assert f"{pretrained['rl_learning_rate']} with --pretrain" in rates
     assert opts.rl_learning_rate == pretrained["rl_learning_rate"]
     assert opts.kl_coef == pretrained["kl_coef"] and opts.min_gain is None
+    assert opts.new_tokens == pretrained["new_tokens"] == 512
     # --actor_learning_rate is the RL phase's rate; two different RL rates are an error
     config, opts = grpo.parse(["--sft-steps", "0", "--actor_learning_rate", "3e-6"])
     assert opts.rl_learning_rate == config.actor_learning_rate == 3e-6
