@@ -28,6 +28,50 @@ def test_loading_a_checkpoint_into_another_model_names_the_mismatch(
         fsdp2.load_ckpt(bigger, tmp_path, load_optimizer_states=False)
 
 
+def test_a_load_that_fails_on_the_model_leaves_the_loaders_where_they_were(
+    fsdp2: StrategyBase, tmp_path: Path
+) -> None:
+    """The model's load fails after the loader states were read: the loaders keep their
+    own positions, and a loader made later does not resume from the checkpoint's."""
+    from lightrft.strategy import CheckpointError
+
+    small = fsdp2.prepare_model(workers.TinyRegressor(blocks=2), is_training=True)
+    fsdp2.create_optimizer(small)
+    loader = fsdp2.setup_dataloader(workers.RegressionTask(), batch_size=2)
+    batches = iter(loader)
+    for _ in range(3):
+        next(batches)
+    fsdp2.save_ckpt(small, tmp_path, tag="small")  # the loader at 6 samples
+    next(batches)
+    bigger = fsdp2.prepare_model(workers.TinyRegressor(blocks=3), is_training=True)
+    with pytest.raises(CheckpointError, match="does not fit this model"):
+        fsdp2.load_ckpt(bigger, tmp_path, load_optimizer_states=False)
+    assert loader.state_dict()["consumed_samples"] == 8
+    del loader, batches
+    with pytest.raises(CheckpointError, match="does not fit this model"):
+        fsdp2.load_ckpt(bigger, tmp_path, load_optimizer_states=False)
+    late = fsdp2.setup_dataloader(workers.RegressionTask(), batch_size=2)
+    assert late.state_dict()["consumed_samples"] == 0
+
+
+def test_a_missing_rng_file_is_named_as_such_not_as_another_world_size(
+    fsdp2: StrategyBase, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    model = fsdp2.prepare_model(workers.TinyRegressor(), is_training=True)
+    fsdp2.create_optimizer(model)
+    fsdp2.save_ckpt(model, tmp_path, tag="t")
+    # as `lightrft ckpt convert --drop rng` leaves it: no RNG file, none listed
+    (tmp_path / "t" / "rng" / "rank0.pt").unlink()
+    meta_file = tmp_path / "t" / "lightrft_checkpoint.json"
+    meta = json.loads(meta_file.read_text())
+    meta["files"] = {k: v for k, v in meta["files"].items() if not k.startswith("rng/")}
+    meta_file.write_text(json.dumps(meta))
+    with caplog.at_level("WARNING", logger="lightrft.strategy.checkpoint.manager"):
+        fsdp2.load_ckpt(model, tmp_path)
+    assert "holds no RNG state for rank 0 (rng/rank0.pt is missing)" in caplog.text
+    assert "world size" not in caplog.text
+
+
 def test_checkpoint_holds_optimizer_from_create_optimizer_and_client_state(
     fsdp2: StrategyBase, tmp_path: Path
 ) -> None:

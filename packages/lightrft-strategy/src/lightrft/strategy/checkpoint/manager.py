@@ -243,22 +243,33 @@ def load_checkpoint(
         if rank == 0:
             logger.info("loaded the model weights of checkpoint %s", info.path)
         return str(info.path), client_state
-    # Loader states first: a state that does not fit raises before any model state moves.
+    # Loader states first: a state that does not fit raises before any model state moves;
+    # a model load that fails puts the loaders back where they were (and leaves no state
+    # for loaders made later), so nothing resumes from a checkpoint that did not load.
     states = json.loads((info.path / "dataloaders.json").read_text())
+    before = [loader.state_dict() for loader in subject.loaders]
     subject.restore_loaders(states)
-    backend.load_state(model, optimizer if load_optimizer else None, info.path, strict)
+    try:
+        backend.load_state(model, optimizer if load_optimizer else None, info.path, strict)
+    except BaseException:
+        subject.restore_loaders(before)
+        raise
     if load_scheduler and scheduler is not None and (info.path / "scheduler.pt").is_file():
         scheduler.load_state_dict(load_plain(info.path / "scheduler.pt"))
     rng_file = info.path / "rng" / f"rank{rank}.pt"
-    if rng_file.is_file() and info.metadata.get("world_size") == ranks.world_size:
-        restore_rng_state(load_plain(rng_file))
-    else:
+    saved_world = info.metadata.get("world_size")
+    if saved_world != ranks.world_size:
         logger.warning(
             "checkpoint %s was saved at world size %s, now %d: RNG state not restored",
-            info.path,
-            info.metadata.get("world_size"),
-            ranks.world_size,
-        )
+            info.path, saved_world, ranks.world_size,
+        )  # fmt: skip
+    elif not rng_file.is_file():
+        logger.warning(
+            "checkpoint %s holds no RNG state for rank %d (%s is missing): this rank's RNG "
+            "state not restored", info.path, rank, rng_file.relative_to(info.path),
+        )  # fmt: skip
+    else:
+        restore_rng_state(load_plain(rng_file))
     steps = json.loads((info.path / "steps.json").read_text())
     step_state = subject.steps
     step_state.global_steps = int(steps["global_steps"])
