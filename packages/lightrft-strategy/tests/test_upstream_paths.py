@@ -28,8 +28,8 @@ def test_upstreams_fsdpv2_path_is_the_fsdp2_backend() -> None:
 
 @pytest.mark.deepspeed
 def test_upstreams_deepspeed_path_is_the_deepspeed_backend() -> None:
-    from lightrft.strategy.deepspeed.deepspeed import DeepspeedStrategy
     from lightrft.strategy.deepspeed import strategy as ours
+    from lightrft.strategy.deepspeed.deepspeed import DeepspeedStrategy
 
     assert DeepspeedStrategy is ours.DeepspeedStrategy
 
