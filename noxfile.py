@@ -414,7 +414,8 @@ def stress(session: nox.Session) -> None:
 @nox.session(python=DEFAULT_PYTHON)
 def bench(session: nox.Session) -> None:
     """Benchmarks (not tests): print our figures beside the raw approach's, with ratios."""
-    sync(session, "lightrft-strategy", "--extra", "deepspeed")
+    # hf: sequence_parallel.py builds a transformers Qwen2
+    sync(session, "lightrft-strategy", "--extra", "deepspeed", "--extra", "hf")
     session.run("python", "benchmarks/config_load.py")
     session.run("python", "benchmarks/fsdp2_overhead.py")  # re-launches under torchrun
     session.run("python", "benchmarks/deepspeed_overhead.py")  # likewise
