@@ -185,6 +185,7 @@ def test_the_checkpoint_manager_imports_nothing_of_the_strategy() -> None:
         "lightrft.strategy.checkpoint.rng",
         "lightrft.strategy.checkpoint.safe_io",
         "lightrft.strategy.checkpoint.subject",
+        "lightrft.strategy.checkpoint.tokenizer",
         "lightrft.strategy.hf_export",
         "lightrft.strategy.lora",
         "lightrft.strategy.tensors",
