@@ -10,7 +10,7 @@ alike.
 The built-in task is addition of two numbers below ``--operand-limit``, learnt by a
 two-layer Qwen2 over a 15-token character vocabulary. Its warm-up demonstrations are
 imperfect, as human ones are: where a sum carries, a share of them
-(``--careless-demos``, 0.6 by default) drops the carry (``17+25=32``). The warm-up
+(``--careless-demos``, 0.8 by default) drops the carry (``17+25=32``). The warm-up
 model learns that habit, so its greedy answers to carrying sums are mostly wrong; RL,
 rewarded by the checker alone, has to find the right ones by sampling. A problem row
 may carry such a ``careless`` answer; real data sets have none and are demonstrated

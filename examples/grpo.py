@@ -608,7 +608,7 @@ def parse(argv: list[str] | None) -> tuple[StrategyConfig, argparse.Namespace]:
     add(
         "--careless-demos",
         type=float,
-        default=0.6,
+        default=0.8,
         help="built-in task: share of carrying sums whose warm-up demonstration drops the carry",
     )
     add(
