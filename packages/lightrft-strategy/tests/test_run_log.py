@@ -102,7 +102,10 @@ def test_evaluations_are_markers_without_a_line_and_log_panels_are_log_scaled(
 
     drawn: list[Figure] = []
     monkeypatch.setattr(Figure, "savefig", lambda self, *a, **k: drawn.append(self))
-    rows = [{"step": s, "reward": s / 10, "rollout_kl": 1e-11 * s} for s in range(1, 11)]
+    # a warm-up (steps 1-14, its loss) then RL (steps 15-20): each phase's own metrics are
+    # lines over their span; the evaluations (every 5 steps) markers
+    rows = [{"step": s, "sft_loss": 1 / s} for s in range(1, 15)]
+    rows += [{"step": s, "reward": s / 10, "rollout_kl": 1e-11 * s} for s in range(15, 21)]
     for row in rows[::5]:
         row["held_out_accuracy"] = 0.5
     plot_metrics(rows, tmp_path / "plot.png",

@@ -157,9 +157,10 @@ def plot_metrics(
 ) -> Path:
     """One panel per kind of quantity: ``panels`` maps a panel's y-axis label (with its
     unit) to the metric keys drawn in it, against ``step``. Keys absent from every row
-    are left out. A metric logged at every step is a line; one logged on under half
-    of the rows (an evaluation every few steps) is drawn as markers alone, since a
-    line between evaluations would suggest a trend nobody measured. Panels named in
+    are left out. A metric logged at every step of its span (a phase's) is a line; one
+    logged on under half of the steps between its first and last point (an evaluation
+    every few steps) is drawn as markers alone, since a line between evaluations would
+    suggest a trend nobody measured. Panels named in
     ``log_scale`` get a logarithmic y axis (non-positive values are left out there)."""
     try:
         import matplotlib
@@ -176,7 +177,6 @@ def plot_metrics(
     lines = max(1, math.ceil(len(shown) / columns))
     figure, axes = pyplot.subplots(lines, columns, figsize=(6 * columns, 3 * lines),
                                    squeeze=False, sharex=True)  # fmt: skip
-    steps = len({r["step"] for r in rows if "step" in r})
     for ax, (label, keys) in zip(axes.flat, shown.items(), strict=False):
         log = label in log_scale
         for key in keys:
@@ -184,7 +184,7 @@ def plot_metrics(
             points = [(s, v) for s, v in points if v > 0] if log else points
             if not points:
                 continue
-            sparse = len(points) < steps / 2
+            sparse = len(points) < (points[-1][0] - points[0][0] + 1) / 2
             style = {"linestyle": "none", "marker": "D"} if sparse else {}
             ax.plot(*zip(*points, strict=True), label=key, **style)
         if log:
