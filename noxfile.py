@@ -363,12 +363,14 @@ def _run_demo(session: nox.Session, args: list[str]) -> None:
     _launch_demo(session, ranks, args)
 
 
-def _launch_demo(session: nox.Session, ranks: int, args: list[str]) -> None:
+def _launch_demo(
+    session: nox.Session, ranks: int, args: list[str], env: dict[str, str] | None = None
+) -> None:
     """examples/grpo.py's exit status is the session's (README: 1 below --min-gain, 2 bad
     input); its last line says what happened."""
     session.run(
         "python", "examples/launch.py", "--nproc-per-node", str(ranks), "examples/grpo.py",
-        *args, env={"OMP_NUM_THREADS": "1"},
+        *args, env={"OMP_NUM_THREADS": "1", **(env or {})},
     )  # fmt: skip
 
 
@@ -388,7 +390,9 @@ def demo_vllm(session: nox.Session) -> None:
     args = list(session.posargs)
     if _flag(args, "--engine_type", "--engine-type") is None:
         args += ["--engine_type", "vllm"]
-    _launch_demo(session, 2, args)
+    # vLLM's CPU settings of the vLLM tests (a value already in the environment wins)
+    env = {key: os.environ.get(key, value) for key, value in VLLM_TEST_ENV.items()}
+    _launch_demo(session, 2, args, env)
 
 
 @nox.session(python=DEFAULT_PYTHON)
