@@ -662,7 +662,7 @@ def parse(argv: list[str] | None) -> tuple[StrategyConfig, argparse.Namespace]:
         f"{recipe('min_gain')}: no check",
     )
     StrategyConfig.add_arguments(
-        parser, suppress_defaults=True, shown_defaults=_effective_config(argv)
+        parser, suppress_defaults=True, shown_defaults=(effective := _effective_config(argv))
     )
     given = vars(parser.parse_args(argv))
     names = (
@@ -679,6 +679,11 @@ def parse(argv: list[str] | None) -> tuple[StrategyConfig, argparse.Namespace]:
     if opts.steps < 0 or opts.sft_steps < 0 or total < 1:
         parser.error("--steps and --sft-steps must be >= 0, and one of them >= 1")
     actor_rate = given.pop("actor_learning_rate", None)
+    if actor_rate is None and effective.get("actor_learning_rate") not in (
+        None,
+        StrategyConfig.model_fields["actor_learning_rate"].default,
+    ):  # set by the config file or LIGHTRFT_ACTOR_LEARNING_RATE: the same meaning
+        actor_rate = effective["actor_learning_rate"]
     if actor_rate is not None:  # the actor's rate is the RL phase's
         if opts.rl_learning_rate not in (None, actor_rate):
             parser.error(

@@ -174,7 +174,7 @@ def _help_default(text: str, flag: str) -> str:
 
 
 def test_help_shows_the_defaults_a_run_uses(
-    chat_model: Path, capsys: pytest.CaptureFixture[str]
+    chat_model: Path, capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
     grpo = _job()
     with pytest.raises(SystemExit):
@@ -201,4 +201,9 @@ def test_help_shows_the_defaults_a_run_uses(
     with pytest.raises(SystemExit):
         grpo.parse(["--actor_learning_rate", "3e-6", "--rl-learning-rate", "1e-6"])
     assert "disagree: they name the same rate" in capsys.readouterr().err
+    # set in a config file, it means the same
+    file = tmp_path / "job.yaml"
+    file.write_text((GRPO.parent / "grpo.yaml").read_text() + "actor_learning_rate: 4.0e-6\n")
+    config, opts = grpo.parse(["--config", str(file), "--sft-steps", "0"])
+    assert opts.rl_learning_rate == config.actor_learning_rate == 4e-6
     assert isinstance(opts, argparse.Namespace)
