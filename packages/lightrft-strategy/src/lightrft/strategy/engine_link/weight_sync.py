@@ -140,6 +140,12 @@ class WeightSyncCalls(AdapterSyncCalls):
         now = (self._weight_changes(model), weight_version(engine), *how)
         return not discarded and self._engine_holds.get(module) == now
 
+    def _remember(
+        self, engine: Any, model: nn.Module, module: nn.Module, how: tuple[Any, ...]
+    ) -> None:
+        """Record that ``engine`` now holds ``module``'s current weights, synced with ``how``."""
+        self._engine_holds[module] = (self._weight_changes(model), weight_version(engine), *how)
+
     def _held(
         self,
         engine: Any,
@@ -191,7 +197,7 @@ class WeightSyncCalls(AdapterSyncCalls):
             raise ValueError(f"bucket_bytes={bucket_bytes} must be >= 1")
         module = self.unwrap_model(model)
         offered = capabilities_module()
-        how = (id(engine), name_map, dtype)
+        how = (name_map, dtype)  # (attaching another engine forgets what the last held)
         held = self._held(engine, model, module, how, verify=verify, skip=skip_unchanged)
         if held is not None:
             return held
@@ -199,7 +205,7 @@ class WeightSyncCalls(AdapterSyncCalls):
             adapter_stats = self._send_adapter(
                 engine, model, module, name_map=name_map, dtype=dtype
             )
-            self._engine_holds[module] = (self._weight_changes(model), weight_version(engine), *how)
+            self._remember(engine, model, module, how)
             if self.config.verify_engine_sync if verify is None else verify:
                 adapter_stats.update(self.verify_engine_weights(model))
             return adapter_stats
@@ -263,7 +269,7 @@ class WeightSyncCalls(AdapterSyncCalls):
         if merge is not None:
             stats["lora"] = "merged_delta" if merge.only_touched else "merged"
             self._synced_in_full.add(module)
-        self._engine_holds[module] = (self._weight_changes(model), weight_version(engine), *how)
+        self._remember(engine, model, module, how)
         if self.config.verify_engine_sync if verify is None else verify:
             stats.update(self.verify_engine_weights(model))
         return stats
