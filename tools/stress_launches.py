@@ -9,6 +9,7 @@ generation). A failed launch is listed with the tail of its output.
     python tools/stress_launches.py                      # 50 FSDP2, 50 ZeRO-3, 20 two-node
     python tools/stress_launches.py --launches 3 --two-node 1
     python tools/stress_launches.py --rebuilds 20 --launches 1 --two-node 0
+    python tools/stress_launches.py --no-close --load 2 --launches 30 --backends fsdp2 --two-node 0
 
 Needs lightrft-strategy with its ``deepspeed`` extra and lightrft-testing (``nox -s
 stress`` installs them). Exit status 1 when any launch was not clean.
@@ -17,6 +18,7 @@ stress`` installs them). Exit status 1 when any launch was not clean.
 from __future__ import annotations
 
 import argparse
+import subprocess
 import sys
 import tempfile
 import time
@@ -42,11 +44,13 @@ class Case:
     seconds: list[float] = field(default_factory=list)
 
 
-def launch(case: Case, engine: str, rebuilds: int, timeout: float) -> str | None:
+def launch(
+    case: Case, engine: str, rebuilds: int, timeout: float, close: bool = True
+) -> str | None:
     """One launch; None when clean, else why not."""
     with tempfile.TemporaryDirectory(prefix="stress-") as out:
         args = [out, "--backend", case.backend, "--engine", engine]
-        args += ["--rebuilds", str(rebuilds)]
+        args += ["--rebuilds", str(rebuilds)] + ([] if close else ["--no-close"])
         try:
             run_torchrun(
                 SCRIPT, *args, nnodes=case.nnodes, nproc_per_node=case.nproc_per_node,
@@ -66,7 +70,21 @@ def main() -> int:
     parser.add_argument("--backends", nargs="+", default=["fsdp2", "zero3"])
     parser.add_argument("--rebuilds", type=int, default=0, help="close-and-rebuild per job")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds per launch")
+    parser.add_argument(
+        "--no-close", action="store_true", help="leave the strategy open at interpreter exit"
+    )
+    parser.add_argument("--load", type=int, default=0, help="busy processes running meanwhile")
     args = parser.parse_args()
+    spin = "import os, time\nparent = os.getppid()\nwhile os.getppid() == parent: pass"
+    busy = [subprocess.Popen([sys.executable, "-c", spin]) for _ in range(args.load)]
+    try:
+        return _run(args)
+    finally:
+        for process in busy:
+            process.kill()
+
+
+def _run(args: argparse.Namespace) -> int:
     cases = [Case(f"{b}, 1 node x 2 ranks", b, 1, 2, args.launches) for b in args.backends]
     if args.two_node:
         cases.append(Case("fsdp2, 2 nodes x 1 rank (loopback)", "fsdp2", 2, 1, args.two_node))
@@ -74,7 +92,7 @@ def main() -> int:
         for index in range(case.launches):
             engine = "fake" if index % 2 else "none"
             start = time.monotonic()
-            why = launch(case, engine, args.rebuilds, args.timeout)
+            why = launch(case, engine, args.rebuilds, args.timeout, close=not args.no_close)
             case.seconds.append(time.monotonic() - start)
             if why is None:
                 case.clean[engine] += 1

@@ -34,6 +34,7 @@ from torch import nn
 
 from lightrft.config import StrategyConfig
 from lightrft.strategy import (
+    collective_threads,
     collectives,
     distributed,
     lora,
@@ -875,3 +876,6 @@ def _release_at_exit() -> None:
                 engine.shutdown()
         strategy._release()
     distributed.release_job_stores()
+    # closed or not: a gloo worker still releasing a finished collective's tensors when
+    # finalisation begins aborts the process (see collective_threads)
+    collective_threads.wait_until_idle()
