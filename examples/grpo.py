@@ -730,6 +730,16 @@ def summary(rows: list[dict[str, Any]], opts: argparse.Namespace) -> tuple[str, 
     )
 
 
+def compared_steps(evaluated: list[int], sft_steps: int) -> tuple[int, int] | None:
+    """The two evaluated steps the summary compares: after the warm-up (or the first
+    evaluation, without one) and the last, when that last one follows RL; else None."""
+    if not evaluated:
+        return None
+    start = sft_steps if sft_steps in evaluated else evaluated[0]
+    end = evaluated[-1]
+    return (start, end) if end > sft_steps and end > start else None
+
+
 def _show(title: str, examples: list[dict[str, Any]]) -> None:
     print(title)
     for e in examples:
@@ -755,9 +765,13 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     line, gain = summary(rows, opts)
     examples = result["examples"]
-    if len(examples) > 1:
-        _show("held-out examples, before:", examples[min(examples)])
-        _show("after:", examples[max(examples)])
+    shown = compared_steps(sorted(examples), opts.sft_steps)
+    if shown:
+        start, end = shown
+        warmed = opts.sft_steps and start == opts.sft_steps
+        _show(f"held-out examples {'after the warm-up' if warmed else 'at the start'}:",
+              examples[start])  # fmt: skip
+        _show(f"after {end - opts.sft_steps} RL steps:", examples[end])
     where = (
         f"metrics {opts.out / 'metrics.jsonl'}, samples {opts.out / 'samples.jsonl'}, "
         f"TensorBoard {result['tensorboard']}, plot {opts.out / 'plot.png'}, last "

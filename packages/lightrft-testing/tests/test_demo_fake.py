@@ -168,3 +168,15 @@ def test_a_pretrain_that_is_no_model_directory_is_named(tmp_path: Path) -> None:
     assert done.returncode != 0
     assert f"--pretrain {tmp_path / 'none'}: no config.json there" in done.stderr
     assert not (tmp_path / "none").exists()  # nothing written where the model was expected
+
+
+def test_the_examples_shown_are_those_the_result_line_compares() -> None:
+    """After the warm-up (not the start of the run), then the last evaluation after RL."""
+    sys.path.insert(0, str(GRPO.parent))
+    from grpo import compared_steps
+
+    assert compared_steps([0, 3, 5], sft_steps=3) == (3, 5)
+    assert compared_steps([0, 10, 20], sft_steps=0) == (0, 20)
+    assert compared_steps([0, 3], sft_steps=3) is None  # no evaluation after RL
+    assert compared_steps([0, 2], sft_steps=3) is None  # stopped within the warm-up
+    assert compared_steps([], sft_steps=0) is None
