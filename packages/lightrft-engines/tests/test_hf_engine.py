@@ -149,6 +149,23 @@ def test_a_partial_sync_loads_what_it_sends_and_keeps_the_rest(tiny_model_dir: P
         engine.update_weights([("model.extra.weight", torch.zeros(2))])
 
 
+def test_a_partial_sync_after_a_level_2_sleep_leaves_generation_refused(
+    tiny_model_dir: Path,
+) -> None:
+    """The level-2 sleep discarded every weight; a partial sync brings back some, so
+    generation stays refused until a full sync (issue 35 defect 2)."""
+    engine = _engine(tiny_model_dir)
+    engine.sleep(2)
+    engine.wake_up()
+    named = [(n, p) for n, p in engine.model.named_parameters() if "q_proj.weight" in n]
+    engine.update_weights(named)
+    engine.finish_partial_weight_update()
+    with pytest.raises(EngineError, match="level-2 sleep"):
+        engine.generate(PROMPTS)
+    _sync(engine, list(engine.model.named_parameters()))
+    assert len(engine.generate(PROMPTS, SamplingParams(max_new_tokens=2))) == 3
+
+
 def test_sleep_level_2_refuses_generation_until_the_next_sync(tiny_model_dir: Path) -> None:
     engine = _engine(tiny_model_dir)
     engine.sleep(2)

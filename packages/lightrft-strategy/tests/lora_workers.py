@@ -68,9 +68,9 @@ def lora_step_case(cfg: dict[str, Any], steps: int = 2) -> dict[str, Any]:
 
 def lora_sync_case(cfg: dict[str, Any], model_dir: str, out_dir: str) -> dict[str, Any]:
     """Train the LoRA model (built from the saved base in ``model_dir``), sync it merged
-    into the Hugging Face engine twice (the second after one more step: only the LoRA
-    layers go), generate greedily, save the adapter and the merged model and a
-    checkpoint (with the tiny tokenizer) under ``out_dir``."""
+    into the Hugging Face engine three times (the second after one more step: only the
+    LoRA layers go; the third after a sleep), generate greedily, save the adapter and
+    the merged model and a checkpoint (with the tiny tokenizer) under ``out_dir``."""
     from transformers import AutoModelForCausalLM
 
     strategy = get_strategy({**cfg, "pretrain": model_dir})
@@ -181,13 +181,16 @@ def _from_saved_base(strategy: Any, model_dir: str, seed: int) -> Any:
 def _train_sync_generate(
     strategy: Any, model: Any, optim: Any, sched: Any
 ) -> tuple[list[Any], Any]:
-    """Two rounds of (a step on rank-specific batches, a verified sync), then greedy
-    generation of this rank's probe: (the syncs' stats, the outputs)."""
+    """Three rounds of (a step on rank-specific batches, a verified sync), the engine put
+    to sleep (at the config's level, if any) before the third, then greedy generation
+    of this rank's probe: (the syncs' stats, the outputs)."""
     from lightrft.engines import SamplingParams
 
     rank = strategy.get_rank()
     stats = []
-    for step in range(2):
+    for step in range(3):
+        if step == 2:
+            strategy.maybe_sleep_inference_engine()
         for ids in batches(rank + 10 * step, strategy.accumulated_gradient):
             strategy.backward(model(input_ids=ids, labels=ids).loss, model, optim)
             strategy.optimizer_step(optim, model, sched)

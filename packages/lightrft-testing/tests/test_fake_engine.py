@@ -162,6 +162,20 @@ def test_a_level_2_sleep_discards_the_weights() -> None:
     assert _tokens(engine.generate([[1]])) == _tokens(only_a.generate([[1]]))
 
 
+def test_a_partial_sync_after_a_level_2_sleep_leaves_generation_refused() -> None:
+    """A partial sync (the LoRA layers) cannot bring back what the sleep discarded."""
+    engine = FakeEngine()
+    _sync(engine, [("a", torch.zeros(3)), ("b", torch.ones(3))])
+    engine.sleep(2)
+    engine.wake_up()
+    engine.update_weights([("a", torch.zeros(3))])
+    engine.finish_partial_weight_update()
+    with pytest.raises(EngineError, match="level-2 sleep"):
+        engine.generate([[1]])
+    _sync(engine, [("a", torch.zeros(3)), ("b", torch.ones(3))])
+    assert len(engine.generate([[1]])) == 1
+
+
 def test_bad_syncs_name_the_weight_and_keep_nothing() -> None:
     engine = FakeEngine(expected_weights=["a", "b"])
     with pytest.raises(EngineError, match=r"not parameters of the engine's model \(1\): c\b"):

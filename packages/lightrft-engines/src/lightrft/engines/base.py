@@ -93,10 +93,12 @@ class EngineBase(KeepsSleepState, WeightVersion):
                 "is built to serve it"
             )
 
-    def _synced(self) -> None:
-        """A whole sync landed: the weights are fresh and the version moves on."""
+    def _synced(self, complete: bool = True) -> None:
+        """A sync landed and the version moves on: a whole one (the weights are fresh),
+        or with ``complete=False`` some weights, the rest kept (fresh unless a level-2
+        sleep discarded the rest)."""
         self._weight_version += 1
-        self.state.weights_synced()
+        self.state.weights_synced(complete)
 
     def _release(self, level: int) -> None:
         """Free the engine's memory for a sleep at ``level`` (nothing by default)."""

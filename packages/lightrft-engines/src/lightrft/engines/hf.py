@@ -299,7 +299,7 @@ class HFEngine(EngineBase, PromptLimits, WeightShapes, PartialWeightSync):
         with torch.no_grad():
             for name, tensor in staged.items():
                 self._params[name].copy_(tensor)
-        self._synced()
+        self._synced(complete)
 
     # -- sleep -------------------------------------------------------------------------
     def _release(self, level: int) -> None:

@@ -354,7 +354,9 @@ class SleepState:
         weights_awake, kv_awake: what is resident on the accelerator.
         weights_stale: set by a level-2 sleep (the weights were discarded) and by
             :meth:`weights_changing` (a sync has replaced some of them); cleared by
-            :meth:`weights_synced`. Generation is refused while it is set.
+            :meth:`weights_synced`, after a partial sync only when no level-2 sleep
+            discarded the weights since the last full one. Generation is refused
+            while it is set.
     """
 
     def __init__(self, supports_sleep: bool = True) -> None:
@@ -364,6 +366,7 @@ class SleepState:
         self.weights_stale = False
         self.level: int | None = None
         self._stale_because = ""
+        self._discarded = False  # by a level-2 sleep, until a full sync
 
     @contextlib.contextmanager
     def rollback_on_error(self) -> Iterator[None]:
@@ -402,7 +405,7 @@ class SleepState:
         self.weights_awake = self.kv_awake = False
         self.level = level
         if level == 2:
-            self.weights_stale = True
+            self.weights_stale = self._discarded = True
             self._stale_because = "a level-2 sleep discarded them"
 
     def wake_up(self, tags: Sequence[str] | None = None) -> None:
@@ -432,7 +435,16 @@ class SleepState:
             self.weights_stale = True
             self._stale_because = "a sync replaced some of them and did not finish"
 
-    def weights_synced(self) -> None:
+    def weights_synced(self, complete: bool = True) -> None:
+        """A sync finished. A partial one (``complete=False``: some weights, the rest
+        kept) leaves the weights stale when a level-2 sleep discarded the rest."""
+        if complete:
+            self._discarded = False
+        elif self._discarded:
+            self._stale_because = (
+                "a level-2 sleep discarded them and the sync since sent some of them"
+            )
+            return
         self.weights_stale = False
         self._stale_because = ""
 

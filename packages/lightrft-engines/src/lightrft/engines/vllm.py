@@ -494,12 +494,12 @@ class VLLMEngine(
         self._lora_request = LoRARequest(_LORA_NAME, 1, str(folder))
         self._synced()
 
-    def _synced(self) -> None:
+    def _synced(self, complete: bool = True) -> None:
         """A sync is complete: prefixes cached with the old weights go, the version moves."""
         reset = getattr(self.llm, "reset_prefix_cache", None)
         if callable(reset):  # cached prefixes were computed with the old weights
             reset()
-        super()._synced()
+        super()._synced(complete)
 
     # -- sleep -------------------------------------------------------------------------
     def _release(self, level: int) -> None:

@@ -325,7 +325,7 @@ class FakeEngine(EngineBase, PromptLimits, WeightShapes, PartialWeightSync):
         self.bucket_sizes, self._pending_buckets = self._pending_buckets, []
         self.syncs.append(record)
         self._set_weights({**self.weights, **record})
-        self.state.weights_synced()
+        self.state.weights_synced(complete)
 
     def _load_adapter(
         self, tensors: Mapping[str, torch.Tensor], settings: Mapping[str, Any]

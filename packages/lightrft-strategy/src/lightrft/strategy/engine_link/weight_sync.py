@@ -104,7 +104,8 @@ class WeightSyncCalls(AdapterSyncCalls):
         model's names, as :class:`lightrft.strategy.lora.MergedWeights` makes them, so
         any engine serving the base model takes them; after the first such sync to an
         engine that takes partial syncs (``PartialWeightSync``: the Hugging Face engine,
-        the fake), only the LoRA layers' weights (and other trainable tensors) are sent.
+        the fake), only the LoRA layers' weights (and other trainable tensors) are sent,
+        unless a level-2 sleep discarded the engine's weights since (then all go again).
         With ``lora_sync="adapter"`` (config) the adapter alone goes to an engine that
         serves adapters (:mod:`.adapter_sync`); to another engine that is an error
         naming it and ``lora_sync="merged"``. ``lora`` in the result says which
@@ -136,9 +137,16 @@ class WeightSyncCalls(AdapterSyncCalls):
         self, engine: Any, model: nn.Module, module: nn.Module, how: tuple[Any, ...]
     ) -> bool:
         """Whether ``engine`` holds ``module``'s current weights as synced with ``how``."""
-        discarded = self.config.sleep_level == 2 and bool(self._sleeping(["weights"]))
         now = (self._weight_changes(model), weight_version(engine), *how)
-        return not discarded and self._engine_holds.get(module) == now
+        return not self._weights_discarded(engine) and self._engine_holds.get(module) == now
+
+    def _weights_discarded(self, engine: Any) -> bool:
+        """Whether ``engine`` lost its weights (a level-2 sleep) and a full sync has not
+        brought them back: its ``state`` says so (stale weights), or, for an engine
+        keeping none, its weights sleep at level 2."""
+        if isinstance(engine, capabilities_module().KeepsSleepState):
+            return bool(engine.state.weights_stale)
+        return self.config.sleep_level == 2 and bool(self._sleeping(["weights"]))
 
     def _remember(
         self, engine: Any, model: nn.Module, module: nn.Module, how: tuple[Any, ...]
@@ -211,8 +219,12 @@ class WeightSyncCalls(AdapterSyncCalls):
             return adapter_stats
         # a LoRA model: the engine serves the base model, so it gets the merged weights
         # under the base names; after a full sync, only what the adapter can change (to an
-        # engine that takes a partial sync)
-        partial = module in self._synced_in_full and isinstance(engine, offered.PartialWeightSync)
+        # engine that takes a partial sync and kept the rest)
+        partial = (
+            module in self._synced_in_full
+            and isinstance(engine, offered.PartialWeightSync)
+            and not self._weights_discarded(engine)
+        )
         merge = (
             lora.MergedWeights(module, only_touched=partial) if lora.is_lora_model(module) else None
         )
