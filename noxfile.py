@@ -25,8 +25,44 @@ nox.options.reuse_existing_virtualenvs = True
 # `nox` with no -s runs the whole test suite: README's test command.
 nox.options.sessions = [
     "lint", "typecheck", "config", "strategy", "engines", "testing", "packages", "demo",
-    "demo_flags",
+    "demo_flags", "bench_check",
 ]  # fmt: skip
+
+# Each benchmark's quick check: the smallest sizes that still run every side of it once,
+# so a benchmark that no longer runs fails the suite. Its figures measure nothing.
+BENCH_QUICK = {
+    "config_load.py": ["--imports", "2", "--calls", "20"],
+    "fsdp2_overhead.py": [
+        "--steps", "1", "--rounds", "1", "--warmup", "0", "--ckpt-rounds", "1",
+        "--dim", "32", "--layers", "1", "--heads", "2", "--seq", "8", "--micro-batch", "1",
+    ],
+    "deepspeed_overhead.py": [
+        "--steps", "1", "--rounds", "1", "--warmup", "0", "--ckpt-rounds", "1",
+        "--stages", "3", "--dim", "32", "--layers", "1", "--heads", "2", "--seq", "8",
+        "--micro-batch", "1",
+    ],
+    "sequence_parallel.py": [
+        "--lengths", "32", "--rounds", "1", "--layers", "1", "--hidden", "64", "--heads", "4",
+        "--kv-heads", "2", "--vocab", "64",
+    ],
+}  # fmt: skip
+# the vLLM ones, run by engines(vllm) after its tests (head_dim 64: vLLM's CPU kernels)
+BENCH_QUICK_VLLM = {
+    "weight_sync.py": [
+        "--rounds", "1", "--layers", "1", "--hidden", "64", "--vocab", "256", "--prompts", "2",
+        "--prompt-len", "4", "--new-tokens", "2",
+    ],
+    "lora_sync.py": ["--rounds", "1", "--rank", "2", "--layers", "1", "--hidden", "64",
+                     "--vocab", "256"],
+}  # fmt: skip
+
+
+def _bench_quick(
+    session: nox.Session, scripts: dict[str, list[str]], env: dict[str, str] | None = None
+) -> None:
+    for script, args in scripts.items():
+        session.log(f"quick check of benchmarks/{script}: tiny sizes, its figures measure nothing")
+        session.run("python", str(ROOT / "benchmarks" / script), *args, env=env)
 
 
 def _expose_pyenv_interpreters() -> None:
@@ -225,10 +261,10 @@ def engines(session: nox.Session, engine: str) -> None:
         "sys.exit(0 if torch.__version__.endswith('+cpu') else 'torch is not the +cpu build')",
     )  # fmt: skip
     session.chdir(ROOT / "packages" / "lightrft-engines")
-    session.run(
-        *pytest, "-m", "vllm and not gpu", *session.posargs,
-        env={key: os.environ.get(key, value) for key, value in VLLM_TEST_ENV.items()},
-    )  # fmt: skip
+    env = {key: os.environ.get(key, value) for key, value in VLLM_TEST_ENV.items()}
+    session.run(*pytest, "-m", "vllm and not gpu", *session.posargs, env=env)
+    if not session.posargs:  # the whole session, not a chosen test
+        _bench_quick(session, BENCH_QUICK_VLLM, env)
 
 
 @nox.session(python=DEFAULT_PYTHON)
@@ -413,6 +449,14 @@ def stress(session: nox.Session) -> None:
     `--` go to tools/stress_launches.py (--launches, --two-node, --rebuilds...)."""
     sync(session, "lightrft-strategy", "--extra", "deepspeed", "--group", "test", bytecode=True)
     session.run("python", "tools/stress_launches.py", *session.posargs)
+
+
+@nox.session(python=DEFAULT_PYTHON)
+def bench_check(session: nox.Session) -> None:
+    """Each CPU benchmark once at tiny sizes (seconds; no figures claimed), so a broken
+    benchmark fails the suite; the vLLM ones run at the end of engines(vllm)."""
+    sync(session, "lightrft-strategy", "--extra", "deepspeed", "--extra", "hf")
+    _bench_quick(session, BENCH_QUICK)
 
 
 @nox.session(python=DEFAULT_PYTHON)

@@ -101,6 +101,20 @@ def parse_args() -> argparse.Namespace:
     return parser.parse_args()
 
 
+class WithoutStream:
+    """An engine with its ``update_weights_stream`` hidden, every other member forwarded:
+    the strategy's capability checks then find no stream and send buckets. (The engine
+    class lists ``WeightStreaming`` among its bases, so no attribute set on it hides it.)"""
+
+    def __init__(self, engine: Any) -> None:
+        self._engine = engine
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "update_weights_stream":
+            raise AttributeError(name)
+        return getattr(self._engine, name)
+
+
 def qwen2_config(args: argparse.Namespace) -> Any:
     """A Qwen2 of about 100M parameters at the defaults (head_dim 64: vLLM's CPU
     attention kernels need >= 64)."""
@@ -214,13 +228,13 @@ def main() -> None:  # noqa: C901 - one flag per measured case, read top to bott
         stats.append(strategy.update_engine_weights(model, verify=False))
 
     def sync_buckets() -> None:
-        # the strategy streams to an engine with update_weights_stream: hidden here (an
-        # instance attribute shadowing the method), it sends buckets instead
-        engine.update_weights_stream = None
+        # the strategy streams to an engine with update_weights_stream: hidden here, it
+        # sends buckets instead
+        strategy.inference_engine = WithoutStream(engine)
         try:
             strategy.update_engine_weights(model, bucket_bytes=bucket_bytes, verify=False)
         finally:
-            del engine.update_weights_stream
+            strategy.inference_engine = engine
 
     def sync_floor() -> None:
         reload_all(ready)
