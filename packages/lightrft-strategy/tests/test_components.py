@@ -19,6 +19,7 @@ from lightrft.strategy.base import StrategyBase
 from lightrft.strategy.checkpoint import manager
 from lightrft.strategy.engine_link import EngineLink
 from lightrft.strategy.upstream_names import UpstreamAttributes, UpstreamEngineCalls
+from lightrft.strategy.world import World
 from lightrft.testing import FakeStrategy
 
 #: What StrategyBase itself defines: the training API a trainer calls, and the class
@@ -26,7 +27,8 @@ from lightrft.testing import FakeStrategy
 #: calls it; a backend hook belongs on Backend, an engine call on EngineLink.
 TRAINING_API = {
     # lifecycle and ranks
-    "setup_distributed", "close", "is_ready", "set_seed", "world_size", "get_rank",
+    "setup_distributed", "close", "is_ready", "set_seed", "world_size", "launch", "device",
+    "get_rank",
     "is_rank_0", "barrier", "print", "all_reduce", "all_gather", "accumulated_gradient",
     # data, optimizers, models
     "setup_dataloader", "create_optimizer", "create_scheduler", "optimizer_of", "prepare",
@@ -88,9 +90,10 @@ def test_backend_hooks_are_not_strategy_members(hook: str) -> None:
 def test_a_strategy_holds_its_backend_and_engine_link() -> None:
     with FakeStrategy(device="cpu") as strategy:
         assert isinstance(strategy.backend, Backend)
-        assert strategy.backend.strategy is strategy
+        assert strategy.backend.world is strategy.world
         assert isinstance(strategy.engine_link, EngineLink)
-        assert strategy.engine_link.strategy is strategy
+        assert strategy.engine_link.world is strategy.world
+        assert strategy.engine_link.backend is strategy.backend
         # upstream's attribute is the link's
         assert strategy.inference_engine is None
         sentinel = object()
@@ -108,8 +111,8 @@ class _Counting(Backend):
     """A backend written against Backend alone: no sharding, state in one file, and a
     count of the hooks the strategy called."""
 
-    def __init__(self, strategy: StrategyBase) -> None:
-        super().__init__(strategy)
+    def __init__(self, world: World) -> None:
+        super().__init__(world)
         self.calls: list[str] = []
 
     def init_model_context(self, meta_init: bool = False) -> Any:
@@ -192,3 +195,77 @@ def test_the_checkpoint_manager_imports_nothing_of_the_strategy() -> None:
     }, strategy_modules
     params = inspect.signature(manager.save_checkpoint).parameters
     assert "strategy" not in params and "subject" in params and "backend" in params
+
+
+PACKAGE = Path(__file__).resolve().parents[1] / "src" / "lightrft" / "strategy"
+#: The components a strategy holds: given a World (and the backend), never the strategy.
+#: checkpoint/deepspeed_writer.py is an offline tool that builds a strategy to write
+#: DeepSpeed's files, not a component.
+COMPONENT_MODULES = sorted(
+    [PACKAGE / "world.py", PACKAGE / "backend.py", PACKAGE / "fsdp2" / "backend.py",
+     PACKAGE / "deepspeed" / "backend.py"]
+    + list((PACKAGE / "engine_link").glob("*.py"))
+    + [p for p in (PACKAGE / "checkpoint").glob("*.py") if p.name != "deepspeed_writer.py"]
+)  # fmt: skip
+STRATEGY_MODULES = {"lightrft.strategy.base", "lightrft.strategy.strategy_base"}
+
+
+def _reaches_the_strategy(path: Path) -> list[str]:
+    """Where ``path`` reads an attribute named ``strategy``, imports the strategy's
+    module, or imports StrategyBase / get_strategy."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Attribute) and node.attr == "strategy":
+            found.append(f"line {node.lineno}: .strategy")
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names = {alias.name for alias in node.names}
+            if node.module in STRATEGY_MODULES or (
+                node.module.startswith("lightrft.strategy")
+                and names & {"StrategyBase", "get_strategy", "base"}
+            ):
+                found.append(f"line {node.lineno}: from {node.module} import {sorted(names)}")
+    return found
+
+
+@pytest.mark.parametrize("path", COMPONENT_MODULES, ids=lambda p: str(p.relative_to(PACKAGE)))
+def test_a_component_never_reads_the_strategy_or_imports_its_module(path: Path) -> None:
+    assert _reaches_the_strategy(path) == []
+
+
+def test_the_check_finds_a_component_reaching_the_strategy(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.py"
+    bad.write_text(
+        "from lightrft.strategy.base import StrategyBase\n"
+        "from lightrft.strategy import get_strategy\n"
+        "class B:\n    def f(self):\n        return self.strategy.config\n"
+    )
+    assert len(_reaches_the_strategy(bad)) == 3
+    assert len(COMPONENT_MODULES) > 20
+
+
+def test_a_backend_is_built_and_used_from_a_world_without_a_strategy() -> None:
+    """FakeBackend on a World alone: a training step and a full state, no strategy."""
+    from lightrft.config import StrategyConfig
+    from lightrft.strategy.distributed import LaunchEnv
+    from lightrft.testing.fake_strategy import FakeBackend
+
+    config = StrategyConfig(backend="fake", train_batch_size=2, micro_train_batch_size=1)
+    world = World(config)
+    world.alone = True
+    world.join(LaunchEnv(0, 0, 1, 1, "127.0.0.1", 0, "single"), torch.device("cpu"))
+    assert world.accumulated_gradient == 2 and world.world_size == 1
+    backend = FakeBackend(world)
+    torch.manual_seed(0)
+    model = nn.Linear(3, 1)
+    optim = backend.build_optimizer([{"params": list(model.parameters())}], lr=0.1,
+                                    betas=(0.9, 0.999))  # fmt: skip
+    model, optim, _ = backend.prepare_train(model, optim, None)
+    before = {k: v.clone() for k, v in backend.full_state_dict(model).items()}
+    stepped = []
+    for _ in range(2):
+        backend.backward(model(torch.ones(1, 3)).sum(), model, optim)
+        stepped.append(backend.optimizer_step(optim, model))
+    assert stepped == [False, True]  # the second micro-step ends the accumulation
+    assert world.step_state(model).global_steps == 1
+    after = backend.full_state_dict(model)
+    assert any(not torch.equal(before[k], after[k]) for k in before)

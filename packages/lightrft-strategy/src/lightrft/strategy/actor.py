@@ -53,3 +53,10 @@ def training_module(model: nn.Module) -> nn.Module:
     """The module a backend wraps, trains and saves for ``model``: an actor wrapper's
     ``.model`` (prepared or not), else ``model`` itself."""
     return model.model if is_actor(model) else model  # type: ignore[return-value]
+
+
+def unwrap_model(model: nn.Module) -> nn.Module:
+    """The user's module inside any wrapper (``.module`` chains); for upstream's actor
+    wrapper, the Hugging Face model in its ``.model``, as upstream DeepSpeed's
+    ``_unwrap_model``."""
+    return _unwrapped(training_module(model))

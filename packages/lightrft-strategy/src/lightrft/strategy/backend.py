@@ -7,8 +7,11 @@ between devices, and how their full weights and checkpoint state are gathered, s
 loaded. A backend author writes the abstract methods and overrides what else differs;
 the defaults are those of a model that is not sharded (plain autograd, torch's AdamW).
 
-The backend reads the strategy it serves (``self.strategy``: config, device, ranks,
-step counters); the strategy never reaches into the backend beyond these methods.
+A backend is given the strategy's :class:`~lightrft.strategy.world.World` (config,
+device, ranks, accumulation, step counters, collectives), never the strategy itself, so
+it can be built and tested without one. What a strategy of a backend needs beyond these
+methods (FSDP2's mesh, DeepSpeed's configs) it reads from the backend's documented
+attributes.
 """
 
 from __future__ import annotations
@@ -24,12 +27,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lightrft.strategy.actor import unwrap_model
 from lightrft.strategy.optim import build_adamw
 from lightrft.strategy.stepping import clip_and_check, record_skip
 
 if TYPE_CHECKING:
     from lightrft.config import StrategyConfig
-    from lightrft.strategy.base import StrategyBase
+    from lightrft.strategy.world import World
 
 __all__ = ["Backend", "Triple"]
 
@@ -37,19 +41,19 @@ Triple = tuple[nn.Module, torch.optim.Optimizer, Any]
 
 
 class Backend(ABC):
-    """The backend of one strategy. Built by the strategy (``backend_class(strategy)``)
+    """The backend of one strategy. Built by the strategy (``backend_class(world)``)
     before its setup; :meth:`after_setup` runs once the process group is joined."""
 
-    def __init__(self, strategy: StrategyBase) -> None:
-        self.strategy = strategy
+    def __init__(self, world: World) -> None:
+        self.world = world
 
     @property
     def config(self) -> StrategyConfig:
-        return self.strategy.config
+        return self.world.config
 
     @property
     def device(self) -> torch.device:
-        return self.strategy.device
+        return self.world.device
 
     # -- lifecycle -----------------------------------------------------------------------
     def after_setup(self) -> None:  # noqa: B027 a hook with nothing to do by default
@@ -104,8 +108,8 @@ class Backend(ABC):
         """Backpropagate ``loss / accumulated_gradient`` (``model`` is the training
         module, not upstream's actor wrapper)."""
         del optimizer
-        accumulation = self.strategy.accumulated_gradient
-        state = self.strategy.step_state(model)
+        accumulation = self.world.accumulated_gradient
+        state = self.world.step_state(model)
         self.before_backward(model, is_last_micro_step=(state.micro_steps + 1) % accumulation == 0)
         (loss / accumulation).backward(**kwargs)  # type: ignore[no-untyped-call]
 
@@ -127,9 +131,9 @@ class Backend(ABC):
         ``max_norm``, skip a non-finite norm, step the optimizer and scheduler. Returns
         whether the optimizer stepped."""
         del kwargs
-        state = self.strategy.step_state(model)
+        state = self.world.step_state(model)
         state.micro_steps += 1
-        if state.micro_steps % self.strategy.accumulated_gradient:
+        if state.micro_steps % self.world.accumulated_gradient:
             return False
         params = [p for group in optimizer.param_groups for p in group["params"]]
         norm = clip_and_check(params, self.config.max_norm)
@@ -168,7 +172,7 @@ class Backend(ABC):
     def move_model(self, model: nn.Module, device: torch.device) -> None:
         """Move a model's weights (and gradients) to ``device``; the default moves the
         module."""
-        self.strategy.unwrap_model(model).to(device)
+        unwrap_model(model).to(device)
         if device.type == "cuda":
             torch.cuda.synchronize()
 
@@ -186,14 +190,14 @@ class Backend(ABC):
         names it accepts (the others are not gathered; it must answer alike on every
         rank). Each tensor stays valid while the model is not stepped (a gathered copy,
         or the parameter itself): a weight sync sends them without copying again."""
-        for name, param in self.strategy.unwrap_model(model).named_parameters():
+        for name, param in unwrap_model(model).named_parameters():
             if select is None or select(name):
                 yield name, param.detach()
 
     def load_full_weights(self, model: nn.Module, state: dict[str, torch.Tensor]) -> None:
         """Copy full (unsharded) tensors, all of whose names the model has, into
         ``model``. The default copies into the unwrapped module's tensors."""
-        self.strategy.unwrap_model(model).load_state_dict(state, strict=False)
+        unwrap_model(model).load_state_dict(state, strict=False)
 
     @abstractmethod
     def update_ema(self, model: nn.Module, model_ema: nn.Module, beta: float) -> None:

@@ -42,19 +42,19 @@ from lightrft.strategy import (
     sequence_parallel,
     ulysses,
 )
-from lightrft.strategy.actor import is_actor, training_module
+from lightrft.strategy.actor import is_actor, training_module, unwrap_model
 from lightrft.strategy.backend import Backend, Triple
 from lightrft.strategy.checkpoint.subject import CheckpointSubject, Ranks
 from lightrft.strategy.construction import (
     BASE_PARAMETERS,
-    NotSetUpError,
     config_from_constructor,
 )
 from lightrft.strategy.data import ResumableDataLoader, build_dataloader
 from lightrft.strategy.engine_link import EngineLink
 from lightrft.strategy.optim import build_scheduler, parameter_groups
-from lightrft.strategy.stepping import StepState, StepStates
+from lightrft.strategy.stepping import StepState
 from lightrft.strategy.upstream_names import UpstreamAttributes, UpstreamEngineCalls
+from lightrft.strategy.world import World
 
 logger = logging.getLogger("lightrft.strategy")
 _print_logger = logging.getLogger("lightrft.strategy.print")
@@ -96,16 +96,12 @@ class StrategyBase(UpstreamAttributes, UpstreamEngineCalls):
         )
         self.args = args if args is not None else self.config
         self.defer_setup = defer_setup
-        self.launch = distributed.LaunchEnv(0, 0, 1, 1, "127.0.0.1", 0, "single")
-        self.device = torch.device("cpu")
-        self._accumulated_gradient = 1
-        self._ready = False
-        self._closed = False
+        #: What the components (backend, engine link, checkpoints) know of the run.
+        self.world = World(self.config, owner=type(self).__name__)
         self._owns_process_group = False
         #: upstream's sequence-parallel data processor, the identity: the loader gives the
         #: ranks of a group the same items (rebuilt over the groups by setup_distributed)
         self.sp_data_processor = sequence_parallel.SPDataProcessor(replicated=True)
-        self._step_states = StepStates()
         self._dataloaders: list[weakref.ref[ResumableDataLoader]] = []
         self._pending_loader_states: list[dict[str, int]] = []
         self._optimizers: weakref.WeakKeyDictionary[nn.Module, tuple[Any, Any]] = (
@@ -118,9 +114,9 @@ class StrategyBase(UpstreamAttributes, UpstreamEngineCalls):
                 "lightrft.strategy.get_strategy(config), or subclass one that sets it"
             )
         #: How models are wrapped, stepped, gathered, saved and loaded on this backend.
-        self.backend: Backend = self.backend_class(self)
+        self.backend: Backend = self.backend_class(self.world)
         #: The rollout engine's link: setup, weight sync, generation, sleep/wake.
-        self.engine_link: EngineLink = self.engine_link_class(self)
+        self.engine_link: EngineLink = self.engine_link_class(self.world, self.backend)
         if not defer_setup:
             self.setup_distributed()
 
@@ -128,11 +124,37 @@ class StrategyBase(UpstreamAttributes, UpstreamEngineCalls):
     def world_size(self) -> int:
         """Ranks in the job: the process group's size once set up; before that, what
         the launcher put in the environment (never a silent 1 inside a launched job)."""
-        if dist.is_initialized():
-            return dist.get_world_size()
-        if self._ready:
-            return self.launch.world_size
-        return distributed.LaunchEnv.from_environ().world_size
+        return self.world.world_size
+
+    @property
+    def launch(self) -> distributed.LaunchEnv:
+        """The launcher's view of this process (rank, local rank, sizes, launcher)."""
+        return self.world.launch
+
+    @property
+    def device(self) -> torch.device:
+        """The device models train on (known once set up)."""
+        return self.world.device
+
+    @device.setter
+    def device(self, value: torch.device) -> None:
+        self.world.device = torch.device(value)
+
+    @property
+    def _ready(self) -> bool:
+        return self.world.ready
+
+    @_ready.setter
+    def _ready(self, value: bool) -> None:
+        self.world.ready = value
+
+    @property
+    def _closed(self) -> bool:
+        return self.world.closed
+
+    @_closed.setter
+    def _closed(self, value: bool) -> None:
+        self.world.closed = value
 
     @property
     def accumulated_gradient(self) -> int:
@@ -141,11 +163,11 @@ class StrategyBase(UpstreamAttributes, UpstreamEngineCalls):
         sequence-parallel group share one micro-batch). Known once
         :meth:`setup_distributed` has run."""
         self._require_setup("accumulated_gradient")
-        return self._accumulated_gradient
+        return self.world.accumulated_gradient
 
     @accumulated_gradient.setter
     def accumulated_gradient(self, value: int) -> None:
-        self._accumulated_gradient = int(value)
+        self.world.accumulated_gradient = int(value)
 
     @property
     def is_ready(self) -> bool:
@@ -154,25 +176,7 @@ class StrategyBase(UpstreamAttributes, UpstreamEngineCalls):
 
     def _require_setup(self, what: str) -> None:
         """Raise :class:`NotSetUpError` naming ``what`` when setup has not run."""
-        if self._ready:
-            return
-        launch = distributed.LaunchEnv.from_environ()
-        where = (
-            f"this process is rank {launch.rank} of a job of WORLD_SIZE={launch.world_size} "
-            f"({launch.launcher}), so it would train alone"
-            if launch.world_size > 1
-            else "the process group, device, seed and accumulation are not set"
-        )
-        if self._closed:
-            raise NotSetUpError(
-                f"{what}: this {type(self).__name__} was closed; {where}. Build a new "
-                "strategy, or call strategy.setup_distributed() again"
-            )
-        raise NotSetUpError(
-            f"{what}: {type(self).__name__} was built with defer_setup=True and "
-            f"strategy.setup_distributed() has not run; {where}. Call "
-            "strategy.setup_distributed() first, or build the strategy without defer_setup"
-        )
+        self.world.require_setup(what)
 
     # -- setup -------------------------------------------------------------------------
     def setup_distributed(
@@ -190,32 +194,28 @@ class StrategyBase(UpstreamAttributes, UpstreamEngineCalls):
         if self._ready:
             logger.debug("%s strategy is already set up; nothing to do", self.backend_name)
             return
-        self.launch = distributed.LaunchEnv.from_environ()
-        self.device = distributed.resolve_device(self.config.device)
-        self.config.validate_world_size(self.launch.world_size)  # before any rendezvous
+        launch = distributed.LaunchEnv.from_environ()
+        device = distributed.resolve_device(self.config.device)
+        self.config.validate_world_size(launch.world_size)  # before any rendezvous
         if timeout is None:
             timeout = datetime.timedelta(seconds=self.config.dist_timeout_s)
-        self._owns_process_group = distributed.init_process_group(self.launch, self.device, timeout)
+        self._owns_process_group = distributed.init_process_group(launch, device, timeout)
         if self._owns_process_group:
             _owners.add(self)
             store = distributed.group_store("roll/")
-            if self.launch.world_size > 1 and store is not None:
+            if launch.world_size > 1 and store is not None:
                 roll_call.set_roll_call(
-                    roll_call.RollCall(
-                        store,
-                        self.launch.rank,
-                        self.launch.world_size,
-                        timeout,
-                    )
+                    roll_call.RollCall(store, launch.rank, launch.world_size, timeout)
                 )
-        self._finish_setup()
+        self._finish_setup(launch, device)
 
-    def _finish_setup(self) -> None:
-        """The end of every setup, once ``launch``/``device`` are set and the group is
-        joined: accumulation steps, seeding, readiness, then :meth:`_after_setup`."""
-        self._accumulated_gradient = self._sizes().gradient_accumulation_steps(self.world_size)
+    def _finish_setup(self, launch: distributed.LaunchEnv, device: torch.device) -> None:
+        """The end of every setup, once the group is joined (or none is needed): the
+        world's ranks, device and accumulation, seeding, readiness, then the backend's
+        ``after_setup``."""
+        self.world.join(launch, device)
         # upstream's groups of sp_size consecutive ranks (size 1 too, as upstream's mesh)
-        sequence_parallel.build_sequence_parallel_groups(self._sizes().sp_size)
+        sequence_parallel.build_sequence_parallel_groups(self.world.sizes.sp_size)
         # the loader gives a group's ranks the same items: nothing to gather
         self.sp_data_processor = sequence_parallel.SPDataProcessor(replicated=True)
         self.set_seed(self.config.seed)
@@ -231,7 +231,7 @@ class StrategyBase(UpstreamAttributes, UpstreamEngineCalls):
             self.get_rank(),
             self.world_size,
             self.device,
-            self._accumulated_gradient,
+            self.world.accumulated_gradient,
         )
 
     @contextlib.contextmanager
@@ -242,11 +242,6 @@ class StrategyBase(UpstreamAttributes, UpstreamEngineCalls):
         self._require_setup(what)
         with roll_call.guard(what):
             yield
-
-    def _sizes(self) -> StrategyConfig:
-        """The config whose parallel sizes (``sp_size``, ``engine_tp_size``) this process
-        runs with: ``config`` itself, except where a backend simulates them (the fake)."""
-        return self.config
 
     def close(self) -> None:
         """Shut the inference engine down (if one was set up), then destroy the process
@@ -361,7 +356,7 @@ class StrategyBase(UpstreamAttributes, UpstreamEngineCalls):
         # a sequence-parallel group is one data-parallel replica: its ranks get the same
         # items, which the Ulysses hook computes once, each rank holding 1/sp_size of
         # every sequence (ulysses)
-        sp_size = self._sizes().sp_size
+        sp_size = self.world.sizes.sp_size
         loader = build_dataloader(
             dataset,
             batch_size or self.config.micro_train_batch_size,
@@ -555,14 +550,11 @@ class StrategyBase(UpstreamAttributes, UpstreamEngineCalls):
     def unwrap_model(self, model: nn.Module) -> nn.Module:
         """The user's module inside any wrapper (``.module`` chains); for upstream's actor
         wrapper, the Hugging Face model in its ``.model``, as upstream DeepSpeed's."""
-        model = training_module(model)
-        while hasattr(model, "module") and isinstance(model.module, nn.Module):
-            model = model.module
-        return model
+        return unwrap_model(model)
 
     def step_state(self, model: nn.Module) -> StepState:
         """Counters of ``model``'s optimisation: micro/global/skipped steps, last norm."""
-        return self._step_states[self.unwrap_model(model)]
+        return self.world.step_state(model)
 
     # -- training steps ------------------------------------------------------------------
     def backward(self, loss: torch.Tensor, model: nn.Module, optimizer: Any, **kwargs: Any) -> None:

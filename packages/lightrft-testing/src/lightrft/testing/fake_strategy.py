@@ -44,13 +44,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightrft.config import StrategyConfig
 from lightrft.strategy import StrategyBase
 from lightrft.strategy import distributed as _distributed
+from lightrft.strategy.actor import unwrap_model
 from lightrft.strategy.backend import Backend, Triple
 from lightrft.strategy.checkpoint.layout import CheckpointError
 from lightrft.strategy.checkpoint.safe_io import load_plain, save_plain
-from lightrft.strategy.engine_link import EngineLink
 from lightrft.testing.mixed_precision import with_compute_precision
 
 logger = logging.getLogger("lightrft.testing")
@@ -84,13 +83,13 @@ class FakeBackend(Backend):
 
     # -- state -----------------------------------------------------------------------------
     def full_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
-        module = self.strategy.unwrap_model(model)
+        module = unwrap_model(model)
         return {k: v.detach().to("cpu").clone() for k, v in module.state_dict().items()}
 
     def update_ema(self, model: nn.Module, model_ema: nn.Module, beta: float) -> None:
-        ema_params = dict(self.strategy.unwrap_model(model_ema).named_parameters())
+        ema_params = dict(unwrap_model(model_ema).named_parameters())
         with torch.no_grad():
-            for name, param in self.strategy.unwrap_model(model).named_parameters():
+            for name, param in unwrap_model(model).named_parameters():
                 if name not in ema_params:
                     raise ValueError(f"moving_average: the EMA model has no parameter {name!r}")
                 ema = ema_params[name]
@@ -102,7 +101,7 @@ class FakeBackend(Backend):
             save_plain(optimizer.state_dict(), directory / "optim.pt", "optimizer state")
 
     def load_state(self, model: nn.Module, optimizer: Any, directory: Path, strict: bool) -> None:
-        module = self.strategy.unwrap_model(model)
+        module = unwrap_model(model)
         state = load_plain(directory / "model.pt")
         try:
             module.load_state_dict(state, strict=strict)
@@ -117,14 +116,6 @@ class FakeBackend(Backend):
             optimizer.load_state_dict(load_plain(directory / "optim.pt"))
 
 
-class FakeEngineLink(EngineLink):
-    """The fake's engine link: any engine tensor-parallel size is accepted, one process
-    playing the whole group."""
-
-    def _check_tp(self, tp: int) -> int:
-        return 1 if tp > 1 else super()._check_tp(tp)
-
-
 class FakeStrategy(StrategyBase):
     """A single-process strategy with no process group and no GPU needed.
 
@@ -137,15 +128,10 @@ class FakeStrategy(StrategyBase):
 
     backend_name = "fake"
     backend_class = FakeBackend
-    engine_link_class = FakeEngineLink
 
     def __init__(self, *positional: Any, **overrides: Any) -> None:
         super().__init__(*positional, **{**overrides, "backend": "fake"})
-
-    @property
-    def world_size(self) -> int:
-        """Always 1: the fake ignores torchrun/SLURM variables."""
-        return 1
+        self.world.alone = True  # also before setup_distributed (defer_setup=True)
 
     # -- setup -----------------------------------------------------------------------------
     def setup_distributed(
@@ -156,24 +142,22 @@ class FakeStrategy(StrategyBase):
         del timeout, num_gpu_per_node
         if self.is_ready:
             return
-        self.launch = _distributed.LaunchEnv(0, 0, 1, 1, "127.0.0.1", 0, "single")
+        # a world of one whatever torchrun/SLURM variables or a process group say
+        self.world.alone = True
+        launch = _distributed.LaunchEnv(0, 0, 1, 1, "127.0.0.1", 0, "single")
         # CPU unless CUDA is asked for by name ("auto" stays on the CPU: no GPU needed)
-        self.device = _distributed.resolve_device("cuda" if self.config.device == "cuda" else "cpu")
+        device = _distributed.resolve_device("cuda" if self.config.device == "cuda" else "cpu")
         sizes = {k: getattr(self.config, k) for k in SIMULATED_SIZES}
         simulated = {k: v for k, v in sizes.items() if v > 1}
-        self._simulated_sizes = self.config.model_copy(update=dict.fromkeys(simulated, 1))
+        self.world.sizes = self.config.model_copy(update=dict.fromkeys(simulated, 1))
         if simulated:
             logger.info(
                 "FakeStrategy: %s simulated in one process (it is one data-parallel rank; "
                 "its sequence-parallel and engine groups are itself)",
                 ", ".join(f"{k}={v}" for k, v in simulated.items()),
             )
-        self._simulated_sizes.validate_world_size(1)
-        self._finish_setup()
-
-    def _sizes(self) -> StrategyConfig:
-        """The config with ``sp_size`` and ``engine_tp_size`` simulated as 1."""
-        return getattr(self, "_simulated_sizes", self.config)
+        self.world.sizes.validate_world_size(1)
+        self._finish_setup(launch, device)
 
     # -- engines ---------------------------------------------------------------------------
     def setup_inference_engine(

@@ -27,7 +27,7 @@ from torch import nn
 from torch.utils._pytree import tree_map
 
 from lightrft.strategy import roll_call
-from lightrft.strategy.actor import training_module
+from lightrft.strategy.actor import training_module, unwrap_model
 from lightrft.strategy.backend import Backend, Triple
 from lightrft.strategy.checkpoint.layout import METADATA_FILE, CheckpointError
 from lightrft.strategy.deepspeed import ds_config, safe_checkpoint
@@ -37,7 +37,7 @@ from lightrft.strategy.precision import compute_dtype
 from lightrft.strategy.stepping import clip_and_check, record_skip
 
 if TYPE_CHECKING:
-    from lightrft.strategy.base import StrategyBase
+    from lightrft.strategy.world import World
 
 logger = logging.getLogger(__name__)
 
@@ -119,8 +119,8 @@ class DeepSpeedBackend(Backend):
     #: Whether setup put LOCAL_RANK in the environment (close takes it back).
     _set_local_rank: bool = False
 
-    def __init__(self, strategy: StrategyBase) -> None:
-        super().__init__(strategy)
+    def __init__(self, world: World) -> None:
+        super().__init__(world)
         self._engines: weakref.WeakSet[DeepSpeedEngine] = weakref.WeakSet()
         self._hf_ds_config: Any = None  # keeps transformers' ZeRO-3 switch alive
         self._hf_zero3_tried = False
@@ -130,8 +130,8 @@ class DeepSpeedBackend(Backend):
         """The DeepSpeed config of training engines (actor and critic share it)."""
         return ds_config.train_config(
             self.config,
-            world_size=self.strategy.world_size,
-            accumulation=self.strategy.accumulated_gradient,
+            world_size=self.world.world_size,
+            accumulation=self.world.accumulated_gradient,
             on_cuda=self.device.type == "cuda",
         )
 
@@ -140,7 +140,7 @@ class DeepSpeedBackend(Backend):
         parameters in CPU memory."""
         return ds_config.eval_config(
             self.config,
-            world_size=self.strategy.world_size,
+            world_size=self.world.world_size,
             offload=offload,
             on_cuda=self.device.type == "cuda",
         )
@@ -150,7 +150,7 @@ class DeepSpeedBackend(Backend):
         # single process (a world of one): give it the local rank setup found, and take
         # it back at close.
         self._set_local_rank = "LOCAL_RANK" not in os.environ
-        os.environ.setdefault("LOCAL_RANK", str(self.strategy.launch.local_rank))
+        os.environ.setdefault("LOCAL_RANK", str(self.world.launch.local_rank))
         # DeepSpeed's communication layer wraps the process group made by the base class.
         deepspeed.init_distributed(dist_backend=dist.get_backend(), dist_init_required=False)
         self.train_config()  # a bad overlay fails here, before any model is built
@@ -200,12 +200,12 @@ class DeepSpeedBackend(Backend):
         if isinstance(model, DeepSpeedEngine):
             return cast(nn.Module, model)
         on_meta = any(p.is_meta for p in model.parameters())
-        if self.strategy.world_size > 1:
-            on_meta = bool(self.strategy.all_reduce(int(on_meta), "max"))
+        if self.world.world_size > 1:
+            on_meta = bool(self.world.all_reduce(int(on_meta), "max"))
         if not on_meta:
             return model
         names = {id(p): name for name, p in model.named_parameters()}
-        if not self.strategy.is_rank_0():
+        if not self.world.is_rank_0():
             model.to_empty(device=self.device)
         with torch.no_grad():
             for tensor in [*model.parameters(), *model.buffers()]:
@@ -304,7 +304,7 @@ class DeepSpeedBackend(Backend):
             # peft's LoRA start (lora_B zero) runs on gathered tensors, not empty shards
             with deepspeed.zero.Init(config_dict_or_path=train_config), lora_init_on_full_tensors():
                 yield
-        elif meta_init and self.strategy.world_size > 1 and not self.strategy.is_rank_0():
+        elif meta_init and self.world.world_size > 1 and not self.world.is_rank_0():
             with torch.device("meta"):
                 yield
         else:
@@ -320,7 +320,7 @@ class DeepSpeedBackend(Backend):
             integrations = importlib.import_module("transformers.integrations")
             self._hf_ds_config = integrations.HfDeepSpeedConfig(train_config)
         except (ImportError, importlib.metadata.PackageNotFoundError) as exc:
-            if not self.strategy.is_rank_0():
+            if not self.world.is_rank_0():
                 return
             logger.warning(
                 "transformers' from_pretrained will not load into ZeRO-3 partitions (%s); "
@@ -332,7 +332,7 @@ class DeepSpeedBackend(Backend):
     def _sync_micro_steps(self, engine: DeepSpeedEngine) -> None:
         # DeepSpeed decides the accumulation boundary from its own micro-step count;
         # ours is the one saved in checkpoints, so DeepSpeed follows it.
-        engine.micro_steps = self.strategy.step_state(engine).micro_steps
+        engine.micro_steps = self.world.step_state(engine).micro_steps
 
     def backward(self, loss: torch.Tensor, model: nn.Module, optimizer: Any, **kwargs: Any) -> None:
         """``engine.backward``: scales by ``1 / accumulated_gradient`` and reduces
@@ -358,7 +358,7 @@ class DeepSpeedBackend(Backend):
         **kwargs: Any,
     ) -> bool:
         """Count a micro-step and call ``engine.step()``; see
-        :meth:`StrategyBase.optimizer_step` for the meaning and the return value.
+        :meth:`lightrft.strategy.StrategyBase.optimizer_step` for the meaning and the return value.
 
         At ZeRO stage 0 in fp32 (the engine's ``gradient_clipping`` is 0 there), on the
         accumulation boundary, the strategy clips the gradients to ``max_norm`` with
@@ -373,7 +373,7 @@ class DeepSpeedBackend(Backend):
         passed here is stepped only when the engine has none, after an applied step.
         """
         engine = self._engine(model, "optimizer_step")
-        state = self.strategy.step_state(engine)
+        state = self.world.step_state(engine)
         self._sync_micro_steps(engine)
         boundary = bool(engine.is_gradient_accumulation_boundary())
         norm: float | None = None
@@ -457,7 +457,7 @@ class DeepSpeedBackend(Backend):
             else:
                 engine.reload_states()
         elif stage == 3:
-            for param in self.strategy.unwrap_model(model).parameters():
+            for param in unwrap_model(model).parameters():
                 shard = getattr(param, "ds_tensor", None)
                 if shard is not None:
                     shard.data = shard.data.to(device)
@@ -478,13 +478,13 @@ class DeepSpeedBackend(Backend):
         an export means the same on both backends. Collective."""
         from deepspeed.utils import safe_get_full_fp32_param
 
-        module = self.strategy.unwrap_model(model)
+        module = unwrap_model(model)
         masters = (
             isinstance(model, DeepSpeedEngine)
             and self.config.resolved_precision != "fp32"
             and model.optimizer is not None
         )
-        rank0 = self.strategy.is_rank_0()
+        rank0 = self.world.is_rank_0()
         # ZeRO-0 in bf16/fp16 keeps its masters in DeepSpeed's FP16 wrapper, which
         # DeepSpeed's safe_get_full_fp32_param does not know
         unfused = _fp16_wrapper_masters(getattr(model, "optimizer", None)) if masters else {}
@@ -513,7 +513,7 @@ class DeepSpeedBackend(Backend):
         """ZeRO-3 parameters gathered one at a time (the 16-bit copy in bf16/fp16), each
         copied out of the gather buffer (released when the next is gathered); others as
         they are."""
-        for name, param in self.strategy.unwrap_model(model).named_parameters():
+        for name, param in unwrap_model(model).named_parameters():
             if select is not None and not select(name):
                 continue
             gather = _is_partitioned(param)
@@ -525,7 +525,7 @@ class DeepSpeedBackend(Backend):
         """ZeRO-3 parameters are gathered and written back from rank 0; an engine whose
         optimizer keeps fp32 master copies (ZeRO-1/2/3, bf16/fp16) refreshes them from
         the loaded weights (in bf16/fp16 those are the loaded values rounded)."""
-        module = self.strategy.unwrap_model(model)
+        module = unwrap_model(model)
         partitioned = [p for p in module.parameters() if _is_partitioned(p)]
         with deepspeed.zero.GatheredParameters(
             partitioned, modifier_rank=0, enabled=bool(partitioned)
@@ -542,9 +542,9 @@ class DeepSpeedBackend(Backend):
         """Two ZeRO-3 models partitioned alike update shard by shard (no
         communication); otherwise the model's ZeRO-3 parameters are gathered (and a
         ZeRO-3 EMA model written back from rank 0)."""
-        ema_params = dict(self.strategy.unwrap_model(model_ema).named_parameters())
+        ema_params = dict(unwrap_model(model_ema).named_parameters())
         with torch.no_grad():
-            for name, param in self.strategy.unwrap_model(model).named_parameters():
+            for name, param in unwrap_model(model).named_parameters():
                 if not param.requires_grad:
                     continue
                 ema = ema_params.get(name)
@@ -565,7 +565,7 @@ class DeepSpeedBackend(Backend):
                 with deepspeed.zero.GatheredParameters(
                     fetch, modifier_rank=modifier, enabled=bool(fetch)
                 ):
-                    if modifier is None or self.strategy.is_rank_0():
+                    if modifier is None or self.world.is_rank_0():
                         ema.data.mul_(beta).add_(
                             param.data.to(ema.device, ema.dtype), alpha=1 - beta
                         )
@@ -593,10 +593,10 @@ class DeepSpeedBackend(Backend):
                 "zero_to_fp32.py (in the checkpoint directory) and start from them"
             )
         partitioned = max(stage or 0, self.config.zero_stage) > 0
-        if partitioned and world is not None and world != self.strategy.world_size:
+        if partitioned and world is not None and world != self.world.world_size:
             raise CheckpointError(
                 f"{directory} was saved at world size {world}, this run has "
-                f"{self.strategy.world_size} ranks; ZeRO stage {self.config.zero_stage} partitions "
+                f"{self.world.world_size} ranks; ZeRO stage {self.config.zero_stage} partitions "
                 f"state per rank. Resume with {world} ranks, or export the weights with "
                 "zero_to_fp32.py (in the checkpoint directory) and start from them"
             )
@@ -625,8 +625,8 @@ class DeepSpeedBackend(Backend):
         except Exception as exc:
             raise CheckpointError(
                 f"{directory} does not fit this model/optimizer "
-                f"({type(self.strategy.unwrap_model(model)).__name__}, ZeRO stage "
-                f"{engine.zero_optimization_stage()}, world size {self.strategy.world_size}): "
+                f"({type(unwrap_model(model)).__name__}, ZeRO stage "
+                f"{engine.zero_optimization_stage()}, world size {self.world.world_size}): "
                 f"{_first_line(exc)}. Load it into the model it was saved from, with the "
                 "same ZeRO stage and world size"
             ) from exc

@@ -43,7 +43,7 @@ _REQUIRED = ("generate", "sleep", "wake_up", "update_weights", "finish_weight_up
 
 class EngineLink(WeightSyncCalls):
     """The strategy's link to its rollout engine: setup, weight sync, generation,
-    sleep/wake. Built by the strategy (``engine_link_class(strategy)``)."""
+    sleep/wake. Built by the strategy (``engine_link_class(world, backend)``)."""
 
     def attach(self, engine: Any, actor: nn.Module | None = None, *, built: bool = False) -> Any:
         """Use ``engine`` (an object implementing
@@ -52,7 +52,7 @@ class EngineLink(WeightSyncCalls):
         ranks, send ``actor``'s weights when given, and, for an engine the strategy
         ``built``, put it to sleep when ``enable_engine_sleep`` is set (upstream's
         order; a ready engine is left as it was handed over). Collective."""
-        self._require_setup("setup_inference_engine")
+        self.world.require_setup("setup_inference_engine")
         missing = [name for name in _REQUIRED if not callable(getattr(engine, name, None))]
         if missing:
             raise TypeError(
@@ -63,7 +63,7 @@ class EngineLink(WeightSyncCalls):
         tp = self._check_tp(
             int(engine.tp_size)
             if isinstance(engine, offered.TensorParallel) and engine.tp_size
-            else self._sizes().engine_tp_size
+            else self.world.sizes.engine_tp_size
         )
         rank = self.get_rank()
         self._engine_group_ranks = tuple(rank - rank % tp + i for i in range(tp))
@@ -95,19 +95,22 @@ class EngineLink(WeightSyncCalls):
         EngineSpec; None: this strategy's config) with :func:`lightrft.engines.build_engine`
         (``engine_type`` and ``engine_options`` override it), then :meth:`attach` it.
         Collective."""
-        self._require_setup("setup_inference_engine")
+        self.world.require_setup("setup_inference_engine")
         protocol_module()
         from lightrft.engines import build_engine
 
         source = self.config if source is None else source
-        tp = int(getattr(source, "engine_tp_size", None) or self._sizes().engine_tp_size)
+        tp = int(getattr(source, "engine_tp_size", None) or self.world.sizes.engine_tp_size)
         self._check_tp(tp)
         engine = build_engine(source, engine_type=engine_type, **engine_options)
         return self.attach(engine, actor, built=True)
 
     def _check_tp(self, tp: int) -> int:
         """The engine tensor-parallel size this process runs with; raises when ``tp``
-        does not divide the world (the fake simulates larger sizes in one process)."""
+        does not divide the world. A world that is one process alone (the fake) plays
+        the whole engine group: 1."""
+        if self.world.alone and tp > 1:
+            return 1
         if tp < 1 or self.world_size % tp:
             raise ValueError(
                 f"engine_tp_size={tp} does not divide the world size {self.world_size}; "

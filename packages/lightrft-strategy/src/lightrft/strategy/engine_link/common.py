@@ -14,7 +14,7 @@ from torch import nn
 if TYPE_CHECKING:
     from lightrft.config import StrategyConfig
     from lightrft.strategy.backend import Backend
-    from lightrft.strategy.base import StrategyBase
+    from lightrft.strategy.world import World
 
 logger = logging.getLogger("lightrft.strategy.engine_link")
 
@@ -61,11 +61,13 @@ def is_engine(model: Any) -> bool:
 
 
 class EngineHost:
-    """The engine link's state, and what it reads of the strategy it serves (config,
-    device, ranks, the backend's parameter gathering)."""
+    """The engine link's state, and what it is given: the strategy's
+    :class:`~lightrft.strategy.world.World` (config, device, ranks, step counters) and
+    its backend (for gathering full parameters); never the strategy itself."""
 
-    def __init__(self, strategy: StrategyBase) -> None:
-        self.strategy = strategy
+    def __init__(self, world: World, backend: Backend) -> None:
+        self.world = world
+        self.backend = backend
         #: The rollout engine (None until ``setup_inference_engine``).
         self.inference_engine: Any = None
         self._engine_group: Any = None
@@ -85,38 +87,25 @@ class EngineHost:
 
     @property
     def config(self) -> StrategyConfig:
-        return self.strategy.config
+        return self.world.config
 
     @property
     def device(self) -> torch.device:
-        return self.strategy.device
-
-    @property
-    def backend(self) -> Backend:
-        return self.strategy.backend
+        return self.world.device
 
     @property
     def world_size(self) -> int:
-        return self.strategy.world_size
+        return self.world.world_size
 
     def get_rank(self) -> int:
-        return self.strategy.get_rank()
-
-    def unwrap_model(self, model: nn.Module) -> nn.Module:
-        return self.strategy.unwrap_model(model)
+        return self.world.get_rank()
 
     def _weight_changes(self, model: nn.Module) -> int:
         """How often the strategy has changed ``model``'s weights (its StepState)."""
-        return self.strategy.step_state(model).weight_changes
-
-    def _require_setup(self, what: str) -> None:
-        self.strategy._require_setup(what)
-
-    def _sizes(self) -> StrategyConfig:
-        return self.strategy._sizes()
+        return self.world.step_state(model).weight_changes
 
     def _require_engine(self, what: str) -> Any:
-        self._require_setup(what)
+        self.world.require_setup(what)
         if self.inference_engine is None:
             raise RuntimeError(f"{what} needs strategy.setup_inference_engine(...) first")
         return self.inference_engine

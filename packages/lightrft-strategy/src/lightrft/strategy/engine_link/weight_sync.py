@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from lightrft.strategy import lora, roll_call
-from lightrft.strategy.actor import training_module
+from lightrft.strategy.actor import training_module, unwrap_model
 from lightrft.strategy.engine_link.adapter_sync import AdapterSyncCalls
 from lightrft.strategy.engine_link.common import (
     capabilities_module,
@@ -126,7 +126,7 @@ class WeightSyncCalls(AdapterSyncCalls):
         less the pulls' gathering) and ``weight_version`` (the engine's, when it has
         one); with ``verify``, also ``max_logprob_gap``. Without an engine it logs a
         warning and returns ``{}``, as upstream's base class does."""
-        self._require_setup("update_engine_weights")
+        self.world.require_setup("update_engine_weights")
         with roll_call.guard("update_engine_weights"):
             return self._update_engine_weights(
                 model, bucket_bytes=bucket_bytes, name_map=name_map, dtype=dtype, verify=verify,
@@ -203,7 +203,7 @@ class WeightSyncCalls(AdapterSyncCalls):
         model = training_module(model)  # upstream's actor: its Hugging Face model's names
         if bucket_bytes < 1:
             raise ValueError(f"bucket_bytes={bucket_bytes} must be >= 1")
-        module = self.unwrap_model(model)
+        module = unwrap_model(model)
         offered = capabilities_module()
         how = (name_map, dtype)  # (attaching another engine forgets what the last held)
         held = self._held(engine, model, module, how, verify=verify, skip=skip_unchanged)

@@ -32,7 +32,7 @@ from lightrft.strategy.checkpoint.safe_io import SafeFileSystemReader
 from lightrft.strategy.fsdp2.sharding import build_mesh, shard_model
 
 if TYPE_CHECKING:
-    from lightrft.strategy.base import StrategyBase
+    from lightrft.strategy.world import World
 
 logger = logging.getLogger(__name__)
 
@@ -59,17 +59,15 @@ class FSDP2Backend(Backend):
     at another.
     """
 
-    def __init__(self, strategy: StrategyBase) -> None:
-        super().__init__(strategy)
+    def __init__(self, world: World) -> None:
+        super().__init__(world)
         self.mesh: Any = None
         self._meshes: dict[int, Any] = {}
         self._layout: tuple[int | str | None, bool] | None = None  # prepare_model's
 
     def after_setup(self) -> None:
-        self.mesh = build_mesh(
-            self.strategy.world_size, self.config.fsdp_shard_size, self.device.type
-        )
-        self._meshes = {self.config.fsdp_shard_size or self.strategy.world_size: self.mesh}
+        self.mesh = build_mesh(self.world.world_size, self.config.fsdp_shard_size, self.device.type)
+        self._meshes = {self.config.fsdp_shard_size or self.world.world_size: self.mesh}
 
     @contextlib.contextmanager
     def model_layout(
@@ -92,7 +90,7 @@ class FSDP2Backend(Backend):
             self._layout = None
 
     def _mesh_for(self, shard_size: int | str, model: nn.Module) -> Any:
-        world = self.strategy.world_size
+        world = self.world.world_size
         size = shard_size
         if size == "auto":
             params = sum(p.numel() for p in model.parameters())
@@ -124,12 +122,10 @@ class FSDP2Backend(Backend):
         # the same models in the same order, so this agreement is one small collective.
         on_meta = any(p.is_meta for p in model.parameters())
         from_rank0 = (
-            bool(self.strategy.all_reduce(int(on_meta), "max"))
-            if self.strategy.world_size > 1
-            else False
+            bool(self.world.all_reduce(int(on_meta), "max")) if self.world.world_size > 1 else False
         )
         rank0_state = None
-        if from_rank0 and self.strategy.is_rank_0():
+        if from_rank0 and self.world.is_rank_0():
             rank0_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
         shard_model(
             model,
@@ -145,7 +141,7 @@ class FSDP2Backend(Backend):
 
     def _load_rank0_weights(self, model: nn.Module, state: dict[str, torch.Tensor] | None) -> None:
         """After meta-device initialisation: allocate, then take rank 0's weights."""
-        if not self.strategy.is_rank_0():
+        if not self.world.is_rank_0():
             # offloaded shards live on the CPU; buffers always on the compute device
             model.to_empty(device="cpu" if self.config.fsdp_cpu_offload else self.device)
             for module in model.modules():
@@ -202,7 +198,7 @@ class FSDP2Backend(Backend):
     def init_model_context(self, meta_init: bool = False) -> Iterator[None]:
         """With ``meta_init``, ranks other than 0 build models on the meta device (no
         memory); when prepared, those models are allocated and take rank 0's weights."""
-        if not meta_init or self.strategy.world_size == 1 or self.strategy.is_rank_0():
+        if not meta_init or self.world.world_size == 1 or self.world.is_rank_0():
             yield
         else:
             with torch.device("meta"):

@@ -1,0 +1,117 @@
+"""`World`: what a strategy's components know of the run they serve.
+
+A backend, the engine link and the checkpoint code are given a ``World`` instead of the
+strategy: the config, the ranks and device once the process group is joined, the
+accumulation, each model's step counters and the collectives they may call. The
+strategy builds one before its setup and fills it in when it joins the group
+(:meth:`World.join`); nothing in it refers back to the strategy.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lightrft.strategy import collectives, distributed, roll_call
+from lightrft.strategy.actor import unwrap_model
+from lightrft.strategy.construction import NotSetUpError
+from lightrft.strategy.stepping import StepState, StepStates
+
+if TYPE_CHECKING:
+    from lightrft.config import StrategyConfig
+
+__all__ = ["World"]
+
+
+class World:
+    """The run as components see it. Before :meth:`join`: a world of one on the CPU.
+
+    Attributes:
+        config: the strategy's configuration.
+        sizes: the config whose parallel sizes (``sp_size``, ``engine_tp_size``) this
+            process runs with: ``config``, except where a backend simulates them (the
+            fake strategy plays every group alone).
+        launch: the launcher's view of this process (rank, local rank, sizes).
+        device: the device models train on.
+        accumulated_gradient: micro-batches per optimizer step.
+        step_states: each model's step counters, keyed by the unwrapped module.
+        ready, closed: whether the strategy is set up, and whether it was closed since.
+        alone: a world of one whatever the environment or a process group says (the
+            fake strategy, one process playing every rank).
+        owner: the name of the strategy's class, for errors.
+    """
+
+    def __init__(self, config: StrategyConfig, owner: str = "strategy") -> None:
+        self.config = config
+        self.sizes = config
+        self.launch = distributed.LaunchEnv(0, 0, 1, 1, "127.0.0.1", 0, "single")
+        self.device = torch.device("cpu")
+        self.accumulated_gradient = 1
+        self.ready = False
+        self.closed = False
+        self.alone = False
+        self.owner = owner
+        self.step_states = StepStates()
+
+    def join(self, launch: distributed.LaunchEnv, device: torch.device) -> None:
+        """The process group is joined (or this is a world of one): its ranks and device,
+        and the accumulation they give."""
+        self.launch, self.device = launch, device
+        size = 1 if self.alone else dist.get_world_size() if dist.is_initialized() else None
+        self.accumulated_gradient = self.sizes.gradient_accumulation_steps(
+            launch.world_size if size is None else size
+        )
+
+    @property
+    def world_size(self) -> int:
+        """Ranks in the job: the process group's size once joined; before that, what the
+        launcher put in the environment (never a silent 1 inside a launched job)."""
+        if self.alone:
+            return 1
+        if dist.is_initialized():
+            return dist.get_world_size()
+        if self.ready:
+            return self.launch.world_size
+        return distributed.LaunchEnv.from_environ().world_size
+
+    def get_rank(self) -> int:
+        if self.alone:
+            return 0
+        return dist.get_rank() if dist.is_initialized() else self.launch.rank
+
+    def is_rank_0(self) -> bool:
+        return self.get_rank() == 0
+
+    def require_setup(self, what: str) -> None:
+        """Raise :class:`NotSetUpError` naming ``what`` when setup has not run."""
+        if self.ready:
+            return
+        launch = distributed.LaunchEnv.from_environ()
+        where = (
+            f"this process is rank {launch.rank} of a job of WORLD_SIZE={launch.world_size} "
+            f"({launch.launcher}), so it would train alone"
+            if launch.world_size > 1
+            else "the process group, device, seed and accumulation are not set"
+        )
+        if self.closed:
+            raise NotSetUpError(
+                f"{what}: this {self.owner} was closed; {where}. Build a new "
+                "strategy, or call strategy.setup_distributed() again"
+            )
+        raise NotSetUpError(
+            f"{what}: {self.owner} was built with defer_setup=True and "
+            f"strategy.setup_distributed() has not run; {where}. Call "
+            "strategy.setup_distributed() first, or build the strategy without defer_setup"
+        )
+
+    def all_reduce(self, data: Any, op: collectives.ReduceOp = "mean") -> Any:
+        """:func:`lightrft.strategy.collectives.all_reduce`, naming a lost rank."""
+        with roll_call.guard("all_reduce"):
+            return collectives.all_reduce(data, op)
+
+    def step_state(self, model: nn.Module) -> StepState:
+        """``model``'s step counters (micro/global/skipped steps, weight changes)."""
+        return self.step_states[unwrap_model(model)]
