@@ -70,7 +70,7 @@ def test_rotation_by_count_deletes_oldest_only_and_never_foreign_dirs(ckpt: Chec
     (ckpt.root / "tensorboard").mkdir()
     (ckpt.root / "tensorboard" / "events").write_text("user data")
     (ckpt.root / "notes_without_metadata").mkdir()
-    deleted = ckpt.rotate(max_num=2, max_mem_gib=1e8, keep="step4")
+    deleted = ckpt.rotate(max_num=2, max_mem_gib=1e8, newest="step4")
     assert deleted == ["step0", "step1", "step2"]
     assert sorted(p.name for p in ckpt.root.iterdir()) == [
         LATEST_FILE, "notes_without_metadata", "step3", "step4", "tensorboard",
@@ -81,15 +81,15 @@ def test_rotation_by_size_in_gib_keeps_the_newest_even_if_too_big(ckpt: Checkpoi
     for i in range(3):
         save(ckpt, f"step{i}", b"y" * 1000)
     one_and_a_half = 1500 / 2**30
-    assert ckpt.rotate(max_num=10, max_mem_gib=one_and_a_half, keep="step2") == ["step0", "step1"]
-    assert ckpt.rotate(max_num=10, max_mem_gib=1e-12, keep="step2") == []
+    assert ckpt.rotate(max_num=10, max_mem_gib=one_and_a_half, newest="step2") == ["step0", "step1"]
+    assert ckpt.rotate(max_num=10, max_mem_gib=1e-12, newest="step2") == []
     assert [i.tag for i in ckpt.complete()] == ["step2"]
 
 
 def test_rotation_needs_max_num_of_at_least_one(ckpt: CheckpointDir) -> None:
     save(ckpt, "a")
     with pytest.raises(ValueError, match="max_num=0 must be >= 1"):
-        ckpt.rotate(max_num=0, max_mem_gib=1, keep="a")
+        ckpt.rotate(max_num=0, max_mem_gib=1, newest="a")
 
 
 def test_no_checkpoint(ckpt: CheckpointDir, tmp_path: Path) -> None:

@@ -192,9 +192,18 @@ def test_the_checkpoint_manager_imports_nothing_of_the_strategy() -> None:
         "lightrft.strategy.hf_export",
         "lightrft.strategy.lora",
         "lightrft.strategy.tensors",
+        "lightrft.strategy.world",  # the type of what it is built with
     }, strategy_modules
-    params = inspect.signature(manager.save_checkpoint).parameters
-    assert "strategy" not in params and "subject" in params and "backend" in params
+    built = inspect.signature(manager.CheckpointManager).parameters
+    assert list(built) == ["backend", "backend_name", "world"]
+    assert "subject" in inspect.signature(manager.CheckpointManager.save).parameters
+
+
+def test_the_checkpoint_manager_is_built_once_with_the_strategy() -> None:
+    with FakeStrategy(device="cpu") as strategy:
+        assert isinstance(strategy.checkpoints, manager.CheckpointManager)
+        assert strategy.checkpoints.backend is strategy.backend
+        assert strategy.checkpoints.world is strategy.world
 
 
 PACKAGE = Path(__file__).resolve().parents[1] / "src" / "lightrft" / "strategy"

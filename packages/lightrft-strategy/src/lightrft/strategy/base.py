@@ -44,7 +44,8 @@ from lightrft.strategy import (
 )
 from lightrft.strategy.actor import is_actor, training_module, unwrap_model
 from lightrft.strategy.backend import Backend, Triple
-from lightrft.strategy.checkpoint.subject import CheckpointSubject, Ranks
+from lightrft.strategy.checkpoint.manager import CheckpointManager
+from lightrft.strategy.checkpoint.subject import CheckpointSubject
 from lightrft.strategy.construction import (
     BASE_PARAMETERS,
     config_from_constructor,
@@ -117,6 +118,8 @@ class StrategyBase(UpstreamAttributes, UpstreamEngineCalls):
         self.backend: Backend = self.backend_class(self.world)
         #: The rollout engine's link: setup, weight sync, generation, sleep/wake.
         self.engine_link: EngineLink = self.engine_link_class(self.world, self.backend)
+        #: Saves and restores checkpoints (``save_ckpt`` / ``load_ckpt``).
+        self.checkpoints = CheckpointManager(self.backend, self.backend_name, self.world)
         if not defer_setup:
             self.setup_distributed()
 
@@ -773,15 +776,11 @@ class StrategyBase(UpstreamAttributes, UpstreamEngineCalls):
         ``save_pretrained``) is saved by rank 0 into the tag's ``tokenizer/`` directory,
         which ``lightrft ckpt export`` writes beside the weights.
         """
-        from lightrft.strategy.checkpoint.manager import save_checkpoint
-
         with self._collective("save_ckpt"):
-            return save_checkpoint(
-                self._checkpoint_subject(model, optimizer, scheduler), self.backend,
-                self.backend_name, self._ranks(), Path(save_dir), tag,
-                max_num if max_num is not None else self.config.max_ckpt_num,
-                max_mem if max_mem is not None else self.config.max_ckpt_mem,
-                client_state or {}, save_latest, tokenizer=tokenizer,
+            return self.checkpoints.save(
+                self._checkpoint_subject(model, optimizer, scheduler), Path(save_dir), tag,
+                max_num=max_num, max_gib=max_mem, client_state=client_state,
+                update_latest=save_latest, tokenizer=tokenizer,
             )  # fmt: skip
 
     def load_ckpt(
@@ -802,14 +801,11 @@ class StrategyBase(UpstreamAttributes, UpstreamEngineCalls):
         checkpoint exists, when it is incomplete or truncated, or when another backend
         wrote it; nothing is loaded in those cases.
         """
-        from lightrft.strategy.checkpoint.manager import load_checkpoint
-
         with self._collective("load_ckpt"):
-            return load_checkpoint(
-                self._checkpoint_subject(model, optimizer, scheduler), self.backend,
-                self.backend_name, self._ranks(), Path(load_dir), tag, load_module_strict,
-                load_optimizer_states and not load_module_only,
-                load_lr_scheduler_states and not load_module_only, module_only=load_module_only,
+            return self.checkpoints.load(
+                self._checkpoint_subject(model, optimizer, scheduler), Path(load_dir), tag,
+                strict=load_module_strict, optimizer=load_optimizer_states,
+                scheduler=load_lr_scheduler_states, module_only=load_module_only,
             )  # fmt: skip
 
     def _checkpoint_subject(
@@ -828,14 +824,6 @@ class StrategyBase(UpstreamAttributes, UpstreamEngineCalls):
             steps=self.step_state(model),
             loaders=self._tracked_dataloaders(),
             restore_loaders=self._restore_dataloader_states,
-        )
-
-    def _ranks(self) -> Ranks:
-        return Ranks(
-            rank=self.get_rank(),
-            world_size=self.world_size,
-            barrier=self.barrier,
-            all_reduce_min=lambda value: int(self.all_reduce(value, "min")),
         )
 
     def optimizer_of(self, model: nn.Module) -> tuple[Any, Any]:

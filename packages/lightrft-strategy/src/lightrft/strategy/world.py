@@ -107,6 +107,12 @@ class World:
             "strategy.setup_distributed() first, or build the strategy without defer_setup"
         )
 
+    def barrier(self) -> None:
+        """Wait for every rank (nothing to wait for in a world of one)."""
+        if not self.alone and dist.is_initialized() and dist.get_world_size() > 1:
+            with roll_call.guard("barrier"):
+                dist.barrier()
+
     def all_reduce(self, data: Any, op: collectives.ReduceOp = "mean") -> Any:
         """:func:`lightrft.strategy.collectives.all_reduce`, naming a lost rank."""
         with roll_call.guard("all_reduce"):

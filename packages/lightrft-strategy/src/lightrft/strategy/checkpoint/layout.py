@@ -171,18 +171,18 @@ class CheckpointDir:
             found, key=lambda i: (i.metadata.get("sequence", 0), i.metadata["created_ns"])
         )
 
-    def rotate(self, max_num: int, max_mem_gib: float, keep: str) -> list[str]:
+    def rotate(self, max_num: int, max_mem_gib: float, newest: str) -> list[str]:
         """On rank 0: delete the oldest complete checkpoints until at most ``max_num``
-        remain and they total at most ``max_mem_gib`` GiB. ``keep`` (the newest) and the
-        tag ``latest`` names are never deleted, nor is any directory without our
-        metadata. Returns the deleted tags."""
+        remain and they total at most ``max_mem_gib`` GiB. The tag ``newest`` (the one
+        just saved) and the tag ``latest`` names are never deleted, nor is any directory
+        without our metadata. Returns the deleted tags."""
         if self.rank != 0:
             return []
         if max_num < 1:
             raise ValueError(f"max_num={max_num} must be >= 1: the newest checkpoint is kept")
         kept = self.complete()
         latest_file = self.root / LATEST_FILE
-        protected = {keep}
+        protected = {newest}
         if latest_file.is_file():
             protected.add(latest_file.read_text(encoding="utf-8").strip())
         deleted: list[str] = []

@@ -26,12 +26,13 @@ shape, dtype, requires_grad), tied names and persistent buffers, and ``optimizer
 optimizer's class: what ``lightrft ckpt`` needs to read or convert the checkpoint
 without the model.
 
-``load_checkpoint(module_only=True)`` restores only the model's weights and returns
+:class:`CheckpointManager` is built once by the strategy with what stays fixed (the
+backend's state hooks, its name, the world's ranks and collectives, the config's
+rotation limits); each ``save``/``load`` is handed what it saves and restores (a
+:class:`CheckpointSubject`: the model, its optimizer, scheduler, step counters and the
+data loaders). It knows nothing of the strategy that calls it.
+``load(module_only=True)`` restores only the model's weights and returns
 ``client_state``.
-
-The functions are handed what they save and restore (a :class:`CheckpointSubject`: the
-model, its optimizer, scheduler, step counters and the data loaders), the backend's
-state hooks and the ranks; they know nothing of the strategy that calls them.
 """
 
 from __future__ import annotations
@@ -60,7 +61,10 @@ from lightrft.strategy.lora import adapter_settings
 from lightrft.strategy.tensors import full_shape
 
 if TYPE_CHECKING:
-    from lightrft.strategy.checkpoint.subject import CheckpointBackend, CheckpointSubject, Ranks
+    from lightrft.strategy.checkpoint.subject import CheckpointBackend, CheckpointSubject
+    from lightrft.strategy.world import World
+
+__all__ = ["CheckpointManager"]
 
 logger = logging.getLogger(__name__)
 
@@ -73,71 +77,169 @@ def _versions() -> dict[str, str]:
     return found
 
 
-def save_checkpoint(
-    subject: CheckpointSubject,
-    backend: CheckpointBackend,
-    backend_name: str,
-    ranks: Ranks,
-    save_dir: Path,
-    tag: str | None,
-    keep: int,
-    max_mem: float,
-    client_state: dict[str, Any],
-    save_latest: bool,
-    tokenizer: Any = None,
-) -> Path:
-    """Write one complete checkpoint (see :mod:`lightrft.strategy.checkpoint.layout`),
-    keeping the newest ``keep`` within ``max_mem`` GiB; ``tokenizer`` (when given) is
-    saved into its ``tokenizer/`` directory."""
-    check_plain(client_state)  # fail on every rank before writing anything
-    check_tokenizer(tokenizer)
-    if keep < 1:
-        raise ValueError(f"save_ckpt max_num={keep} must be >= 1: the newest checkpoint is kept")
-    optimizer, scheduler = subject.optimizer, subject.scheduler
-    step = subject.steps.global_steps
-    tag = check_tag(tag if tag is not None else f"global_step{step}")
-    rank = ranks.rank
-    ckpt = CheckpointDir(save_dir, rank=rank, barrier=ranks.barrier)
+class CheckpointManager:
+    """One strategy's checkpoints: ``save`` and ``load`` of a :class:`CheckpointSubject`
+    under a directory of tags (see :mod:`lightrft.strategy.checkpoint.layout`)."""
 
-    staging = ckpt.begin(tag)
-    backend.save_state(subject.model, optimizer, staging)
-    (staging / "rng").mkdir(exist_ok=True)
-    save_plain(capture_rng_state(), staging / "rng" / f"rank{rank}.pt", "rng state")
-    failure: Exception | None = None
-    if rank == 0:
+    def __init__(self, backend: CheckpointBackend, backend_name: str, world: World) -> None:
+        self.backend = backend
+        self.backend_name = backend_name
+        self.world = world
+
+    def save(
+        self,
+        subject: CheckpointSubject,
+        save_dir: Path,
+        tag: str | None = None,
+        *,
+        max_num: int | None = None,
+        max_gib: float | None = None,
+        client_state: dict[str, Any] | None = None,
+        update_latest: bool = True,
+        tokenizer: Any = None,
+    ) -> Path:
+        """Write one complete checkpoint, tag ``tag`` (default ``global_step<N>``), then
+        delete the oldest until at most ``max_num`` remain within ``max_gib`` GiB
+        (defaults: the config's ``max_ckpt_num`` and ``max_ckpt_mem``); ``tokenizer``
+        (when given) is saved into its ``tokenizer/`` directory. Collective."""
+        config = self.world.config
+        max_num = config.max_ckpt_num if max_num is None else max_num
+        max_gib = config.max_ckpt_mem if max_gib is None else max_gib
+        client_state = client_state or {}
+        check_plain(client_state)  # fail on every rank before writing anything
+        check_tokenizer(tokenizer)
+        if max_num < 1:
+            raise ValueError(
+                f"save_ckpt max_num={max_num} must be >= 1: the newest checkpoint is kept"
+            )
+        backend, world = self.backend, self.world
+        optimizer, scheduler = subject.optimizer, subject.scheduler
+        step = subject.steps.global_steps
+        tag = check_tag(tag if tag is not None else f"global_step{step}")
+        rank = world.get_rank()
+        ckpt = CheckpointDir(save_dir, rank=rank, barrier=world.barrier)
+
+        staging = ckpt.begin(tag)
+        backend.save_state(subject.model, optimizer, staging)
+        (staging / "rng").mkdir(exist_ok=True)
+        save_plain(capture_rng_state(), staging / "rng" / f"rank{rank}.pt", "rng state")
+        failure: Exception | None = None
+        if rank == 0:
+            try:
+                _write_rank0_pieces(subject, client_state, staging)
+                write_tokenizer(tokenizer, staging)
+            except Exception as exc:
+                failure = exc
+        # Every rank learns whether rank 0's part was written, so none waits at the commit
+        # barrier for a rank that gave up; the staging directory is left, `latest` untouched.
+        if not int(world.all_reduce(int(failure is None), "min")):
+            if failure is not None:
+                raise failure
+            raise CheckpointError(f"rank 0 failed writing checkpoint {tag!r}; see rank 0's error")
+        metadata = {
+            "backend": self.backend_name,
+            "world_size": world.world_size,
+            "global_step": step,
+            "has_optimizer": optimizer is not None,
+            "has_scheduler": scheduler is not None,
+            "backend_info": backend.checkpoint_info(),
+            "versions": _versions(),
+            "model": model_layout(subject.module),
+            "optimizer": _qualified_name(optimizer) if optimizer is not None else None,
+            "optimizer_groups": optimizer_groups(
+                subject.module, backend.optimizer_param_groups(subject.model, optimizer)
+            ),
+            # a LoRA model's adapter config: `lightrft ckpt export` writes or merges it offline
+            "lora": adapter_settings(subject.module),
+        }
+        final = ckpt.commit(tag, staging, metadata, update_latest=update_latest)
+        ckpt.rotate(max_num, max_gib, newest=tag)
+        world.barrier()
+        if rank == 0:
+            logger.info("saved checkpoint %s", final)
+        return final
+
+    def load(
+        self,
+        subject: CheckpointSubject,
+        load_dir: Path,
+        tag: str | None = None,
+        *,
+        strict: bool = True,
+        optimizer: bool = True,
+        scheduler: bool = True,
+        module_only: bool = False,
+    ) -> tuple[str, dict[str, Any]]:
+        """Verify, then restore (the optimizer's and the scheduler's states when asked);
+        raises before touching any state if verification fails. Returns ``(path,
+        client_state)``.
+
+        With ``module_only`` only the model's weights are restored (and ``client_state``
+        returned): no optimizer, scheduler, RNG, loader position or step counters.
+        """
+        backend, world = self.backend, self.world
+        rank = world.get_rank()
+        ckpt = CheckpointDir(load_dir, rank=rank, barrier=world.barrier)
+        info = ckpt.resolve(tag, backend=self.backend_name)
+        model = subject.model
+        load_optimizer = optimizer and not module_only and subject.optimizer is not None
+        if load_optimizer and not info.metadata.get("has_optimizer"):
+            raise ValueError(
+                f"{info.path} holds no optimizer state; pass load_optimizer_states=False"
+            )
+
+        client_state = load_plain(info.path / "client_state.pt")
+        if module_only:
+            backend.load_state(model, None, info.path, strict)
+            world.barrier()
+            if rank == 0:
+                logger.info("loaded the model weights of checkpoint %s", info.path)
+            return str(info.path), client_state
+        # Loader states first: a state that does not fit raises before any model state
+        # moves; a model load that fails puts the loaders back where they were (and leaves
+        # no state for loaders made later), so nothing resumes from a checkpoint that did
+        # not load.
+        states = json.loads((info.path / "dataloaders.json").read_text())
+        before = [loader.state_dict() for loader in subject.loaders]
+        subject.restore_loaders(states)
         try:
-            _write_rank0_pieces(subject, client_state, staging)
-            write_tokenizer(tokenizer, staging)
-        except Exception as exc:
-            failure = exc
-    # Every rank learns whether rank 0's part was written, so none waits at the commit
-    # barrier for a rank that gave up; the staging directory is left, `latest` untouched.
-    if not ranks.all_reduce_min(int(failure is None)):
-        if failure is not None:
-            raise failure
-        raise CheckpointError(f"rank 0 failed writing checkpoint {tag!r}; see rank 0's error")
-    metadata = {
-        "backend": backend_name,
-        "world_size": ranks.world_size,
-        "global_step": step,
-        "has_optimizer": optimizer is not None,
-        "has_scheduler": scheduler is not None,
-        "backend_info": backend.checkpoint_info(),
-        "versions": _versions(),
-        "model": model_layout(subject.module),
-        "optimizer": _qualified_name(optimizer) if optimizer is not None else None,
-        "optimizer_groups": optimizer_groups(
-            subject.module, backend.optimizer_param_groups(subject.model, optimizer)
-        ),
-        # a LoRA model's adapter config: `lightrft ckpt export` writes or merges it offline
-        "lora": adapter_settings(subject.module),
-    }
-    final = ckpt.commit(tag, staging, metadata, update_latest=save_latest)
-    ckpt.rotate(keep, max_mem, keep=tag)
-    ranks.barrier()
-    if rank == 0:
-        logger.info("saved checkpoint %s", final)
-    return final
+            backend.load_state(
+                model, subject.optimizer if load_optimizer else None, info.path, strict
+            )
+        except BaseException:
+            subject.restore_loaders(before)
+            raise
+        schedule = subject.scheduler
+        if scheduler and schedule is not None and (info.path / "scheduler.pt").is_file():
+            schedule.load_state_dict(load_plain(info.path / "scheduler.pt"))
+        _restore_rng(info.path, info.metadata.get("world_size"), rank, world.world_size)
+        steps = json.loads((info.path / "steps.json").read_text())
+        step_state = subject.steps
+        step_state.global_steps = int(steps["global_steps"])
+        step_state.micro_steps = int(steps["micro_steps"])
+        step_state.weight_changes += 1
+        world.barrier()
+        if rank == 0:
+            logger.info("loaded checkpoint %s", info.path)
+        return str(info.path), client_state
+
+
+def _restore_rng(path: Path, saved_world: Any, rank: int, world_size: int) -> None:
+    """This rank's RNG state, when the checkpoint was saved at this world size and
+    holds it; else a warning naming why not."""
+    rng_file = path / "rng" / f"rank{rank}.pt"
+    if saved_world != world_size:
+        logger.warning(
+            "checkpoint %s was saved at world size %s, now %d: RNG state not restored",
+            path, saved_world, world_size,
+        )  # fmt: skip
+    elif not rng_file.is_file():
+        logger.warning(
+            "checkpoint %s holds no RNG state for rank %d (%s is missing): this rank's RNG "
+            "state not restored", path, rank, rng_file.relative_to(path),
+        )  # fmt: skip
+    else:
+        restore_rng_state(load_plain(rng_file))
 
 
 def _qualified_name(obj: Any) -> str:
@@ -210,72 +312,3 @@ def _write_rank0_pieces(
     (staging / "dataloaders.json").write_text(json.dumps(loaders))
     steps = {"global_steps": subject.steps.global_steps, "micro_steps": subject.steps.micro_steps}
     (staging / "steps.json").write_text(json.dumps(steps))
-
-
-def load_checkpoint(
-    subject: CheckpointSubject,
-    backend: CheckpointBackend,
-    backend_name: str,
-    ranks: Ranks,
-    load_dir: Path,
-    tag: str | None,
-    strict: bool,
-    load_optimizer: bool,
-    load_scheduler: bool,
-    module_only: bool = False,
-) -> tuple[str, dict[str, Any]]:
-    """Verify, then restore; raises before touching any state if verification fails.
-
-    With ``module_only`` only the model's weights are restored (and ``client_state``
-    returned): no optimizer, scheduler, RNG, loader position or step counters.
-    """
-    rank = ranks.rank
-    ckpt = CheckpointDir(load_dir, rank=rank, barrier=ranks.barrier)
-    info = ckpt.resolve(tag, backend=backend_name)
-    model, optimizer, scheduler = subject.model, subject.optimizer, subject.scheduler
-    if load_optimizer and optimizer is not None and not info.metadata.get("has_optimizer"):
-        raise ValueError(f"{info.path} holds no optimizer state; pass load_optimizer_states=False")
-
-    client_state = load_plain(info.path / "client_state.pt")
-    if module_only:
-        backend.load_state(model, None, info.path, strict)
-        ranks.barrier()
-        if rank == 0:
-            logger.info("loaded the model weights of checkpoint %s", info.path)
-        return str(info.path), client_state
-    # Loader states first: a state that does not fit raises before any model state moves;
-    # a model load that fails puts the loaders back where they were (and leaves no state
-    # for loaders made later), so nothing resumes from a checkpoint that did not load.
-    states = json.loads((info.path / "dataloaders.json").read_text())
-    before = [loader.state_dict() for loader in subject.loaders]
-    subject.restore_loaders(states)
-    try:
-        backend.load_state(model, optimizer if load_optimizer else None, info.path, strict)
-    except BaseException:
-        subject.restore_loaders(before)
-        raise
-    if load_scheduler and scheduler is not None and (info.path / "scheduler.pt").is_file():
-        scheduler.load_state_dict(load_plain(info.path / "scheduler.pt"))
-    rng_file = info.path / "rng" / f"rank{rank}.pt"
-    saved_world = info.metadata.get("world_size")
-    if saved_world != ranks.world_size:
-        logger.warning(
-            "checkpoint %s was saved at world size %s, now %d: RNG state not restored",
-            info.path, saved_world, ranks.world_size,
-        )  # fmt: skip
-    elif not rng_file.is_file():
-        logger.warning(
-            "checkpoint %s holds no RNG state for rank %d (%s is missing): this rank's RNG "
-            "state not restored", info.path, rank, rng_file.relative_to(info.path),
-        )  # fmt: skip
-    else:
-        restore_rng_state(load_plain(rng_file))
-    steps = json.loads((info.path / "steps.json").read_text())
-    step_state = subject.steps
-    step_state.global_steps = int(steps["global_steps"])
-    step_state.micro_steps = int(steps["micro_steps"])
-    step_state.weight_changes += 1
-    ranks.barrier()
-    if rank == 0:
-        logger.info("loaded checkpoint %s", info.path)
-    return str(info.path), client_state

@@ -1,7 +1,8 @@
 """What the checkpoint manager is handed: the pieces it saves and restores
-(:class:`CheckpointSubject`), the backend's state hooks (:class:`CheckpointBackend`) and
-the ranks it coordinates (:class:`Ranks`). The strategy builds them in ``save_ckpt`` /
-``load_ckpt``; the checkpoint package imports nothing of the strategy."""
+(:class:`CheckpointSubject`, built by the strategy in ``save_ckpt`` / ``load_ckpt``) and
+the backend's state hooks (:class:`CheckpointBackend`); its ranks and collectives are
+the strategy's :class:`~lightrft.strategy.world.World`. The checkpoint package imports
+nothing of the strategy."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ if TYPE_CHECKING:
     from lightrft.strategy.data import ResumableDataLoader
     from lightrft.strategy.stepping import StepState
 
-__all__ = ["CheckpointBackend", "CheckpointSubject", "Ranks"]
+__all__ = ["CheckpointBackend", "CheckpointSubject"]
 
 
 @dataclass
@@ -52,14 +53,3 @@ class CheckpointBackend(Protocol):
     def optimizer_param_groups(
         self, model: nn.Module, optimizer: Any
     ) -> list[list[Any]] | None: ...
-
-
-@dataclass(frozen=True)
-class Ranks:
-    """This rank, the world, and the two collectives a checkpoint needs."""
-
-    rank: int
-    world_size: int
-    barrier: Callable[[], None]
-    #: ``all_reduce_min(value)``: the smallest ``value`` over all ranks.
-    all_reduce_min: Callable[[int], int]
