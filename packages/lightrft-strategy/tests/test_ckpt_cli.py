@@ -19,7 +19,7 @@ import torch
 from safetensors.torch import load_file
 
 from lightrft.strategy import CheckpointError, StrategyBase
-from lightrft.strategy.checkpoint.staging import staged_output
+from lightrft.strategy.checkpoint.tools.staging import staged_output
 from lightrft.testing.launcher import run_distributed
 from tests import workers
 
@@ -169,8 +169,8 @@ def test_tokenizer_option_for_a_checkpoint_without_one_and_bad_tokenizer_paths(
     """Without a recorded tokenizer the export works and says how to add one;
     ``--tokenizer DIR`` adds it; a DIR without a tokenizer is named, with the fix, and
     nothing is written."""
-    from lightrft.strategy.checkpoint.export import export_hf
-    from lightrft.strategy.checkpoint.offline import open_checkpoint
+    from lightrft.strategy.checkpoint.tools.export import export_hf
+    from lightrft.strategy.checkpoint.tools.offline import open_checkpoint
     from lightrft.testing.models import tiny_hf_causal_lm
 
     model = fsdp2.prepare_model(tiny_hf_causal_lm(), is_training=True)
@@ -229,7 +229,7 @@ def test_a_failed_or_killed_write_leaves_no_output(tmp_path: Path) -> None:
 
     code = (
         "import os, signal, sys; from pathlib import Path\n"
-        "from lightrft.strategy.checkpoint.staging import staged_output\n"
+        "from lightrft.strategy.checkpoint.tools.staging import staged_output\n"
         "with staged_output(Path(sys.argv[1]), force=False) as staging:\n"
         "    (staging / 'half.bin').write_bytes(b'x')\n"
         "    os.kill(os.getpid(), signal.SIGKILL)\n"
@@ -301,7 +301,7 @@ def test_state_that_cannot_be_carried_is_named_and_refused(
 
 
 def test_verification_compares_bits_not_summaries() -> None:
-    from lightrft.strategy.checkpoint.verify import Verification, VerificationError
+    from lightrft.strategy.checkpoint.tools.verify import Verification, VerificationError
 
     nan, inf = float("nan"), float("inf")
     check = Verification()

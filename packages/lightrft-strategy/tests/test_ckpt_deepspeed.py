@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 
-from lightrft.strategy.checkpoint.offline import open_checkpoint, read_contents
+from lightrft.strategy.checkpoint.tools.offline import open_checkpoint, read_contents
 from lightrft.testing.launcher import run_distributed
 from tests import ds_workers, workers
 from tests.test_ckpt_cli import hf_weights, logits_of, run_cli

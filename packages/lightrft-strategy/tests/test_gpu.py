@@ -126,7 +126,7 @@ def test_fsdp2_checkpoint_converted_to_a_cuda_deepspeed_run_resumes(tmp_path: Pa
 def test_zero0_bf16_cuda_checkpoint_is_read_from_the_fused_wrapper(tmp_path: Path) -> None:
     """On CUDA, ZeRO-0 in bf16 steps with FusedAdam inside DeepSpeed's fused FP16
     wrapper (one flat fp32 master per group): the files give back what it held."""
-    from lightrft.strategy.checkpoint.offline import open_checkpoint, read_contents
+    from lightrft.strategy.checkpoint.tools.offline import open_checkpoint, read_contents
 
     from . import ds_workers
 

@@ -73,7 +73,7 @@ def _size(n: int | None) -> str:
 @click.option("--json", "as_json", is_flag=True, help="Print JSON (for scripts).")
 def info(directory: Path, as_json: bool) -> None:
     """What DIRECTORY (a save_dir, or one tag directory in it) holds."""
-    from lightrft.strategy.checkpoint.describe import describe
+    from lightrft.strategy.checkpoint.tools.describe import describe
 
     with _errors():
         found = describe(directory)
@@ -163,8 +163,8 @@ def export(
     directory (safetensors, config.json and the tokenizer's files), on CPU, at any world
     size it was saved at. A LoRA checkpoint exports its adapter (peft's format), or
     merged with --merge-lora."""
-    from lightrft.strategy.checkpoint.export import export_hf
-    from lightrft.strategy.checkpoint.offline import open_checkpoint
+    from lightrft.strategy.checkpoint.tools.export import export_hf
+    from lightrft.strategy.checkpoint.tools.offline import open_checkpoint
 
     with _errors(), _progress("export", progress) as update:
         source = open_checkpoint(directory, tag)
@@ -230,8 +230,8 @@ def convert(
 ) -> None:
     """Convert DIRECTORY's checkpoint into a TARGET-backend save_dir OUT: weights,
     optimizer state, scheduler, RNG and loader state, so the run resumes there."""
-    from lightrft.strategy.checkpoint.convert import convert as run_convert
-    from lightrft.strategy.checkpoint.offline import open_checkpoint
+    from lightrft.strategy.checkpoint.tools.convert import convert as run_convert
+    from lightrft.strategy.checkpoint.tools.offline import open_checkpoint
 
     with _errors(), _progress("convert", progress) as update:
         source = open_checkpoint(directory, tag)

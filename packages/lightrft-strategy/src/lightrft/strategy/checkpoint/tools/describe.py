@@ -12,8 +12,8 @@ from lightrft.strategy.checkpoint.layout import (
     CheckpointDir,
     CheckpointError,
 )
-from lightrft.strategy.checkpoint.offline import looks_like_tag
 from lightrft.strategy.checkpoint.tokenizer import recorded_tokenizer_files
+from lightrft.strategy.checkpoint.tools.offline import looks_like_tag
 
 
 def _tag_entry(root: Path, tag: str) -> dict[str, Any]:

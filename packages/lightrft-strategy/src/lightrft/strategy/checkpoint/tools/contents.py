@@ -1,7 +1,7 @@
 """What a checkpoint holds once read in one process: full tensors by parameter name.
 
-Filled by :mod:`~lightrft.strategy.checkpoint.offline` (FSDP2's files) and
-:mod:`~lightrft.strategy.checkpoint.deepspeed_files` (DeepSpeed's), read by the export
+Filled by :mod:`~lightrft.strategy.checkpoint.tools.offline` (FSDP2's files) and
+:mod:`~lightrft.strategy.checkpoint.tools.deepspeed_files` (DeepSpeed's), read by the export
 and conversion commands; a module of its own so that neither reader imports the other.
 """
 

@@ -34,8 +34,8 @@ from typing import Any
 
 import torch
 
-from lightrft.strategy.checkpoint.contents import CheckpointContents, OptimizerContents
 from lightrft.strategy.checkpoint.layout import CheckpointError, CheckpointInfo
+from lightrft.strategy.checkpoint.tools.contents import CheckpointContents, OptimizerContents
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 _RANK_FILE = re.compile(r"(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_00_(model|optim)_states\.pt")
@@ -404,7 +404,7 @@ def write_deepspeed(
     """DeepSpeed's engine files for ``contents`` at ZeRO ``stage`` and ``world_size``,
     written by DeepSpeed itself: ``world_size`` CPU ranks (gloo) each build the model's
     parameters (from the recorded layout), set the full state into a fresh engine
-    (:func:`lightrft.strategy.checkpoint.deepspeed_writer.set_full_state`) and save."""
+    (:func:`lightrft.strategy.checkpoint.tools.deepspeed_writer.set_full_state`) and save."""
     try:
         import deepspeed  # noqa: F401
     except ImportError as exc:
@@ -438,7 +438,7 @@ def write_deepspeed(
         command = [
             sys.executable, "-m", "torch.distributed.run", "--standalone",
             f"--nproc-per-node={world_size}",
-            "-m", "lightrft.strategy.checkpoint.deepspeed_writer",
+            "-m", "lightrft.strategy.checkpoint.tools.deepspeed_writer",
             str(payload_file), str(tag_dir),
         ]  # fmt: skip
         try:

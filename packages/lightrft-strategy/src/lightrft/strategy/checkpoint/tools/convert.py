@@ -11,7 +11,7 @@ client state copied as they are:
   this process (DCP reshards on load, at any world size);
 - ``deepspeed``: DeepSpeed's own engine files, written by DeepSpeed in a job of
   ``world_size`` CPU ranks (gloo) that sets the state into an engine of the target ZeRO
-  stage (:mod:`lightrft.strategy.checkpoint.deepspeed_files`).
+  stage (:mod:`lightrft.strategy.checkpoint.tools.deepspeed_files`).
 
 Then the written tensors are read back (the same way) and compared with the source,
 tensor by tensor. State that cannot be carried (an optimizer other than Adam/AdamW, for
@@ -27,7 +27,6 @@ from typing import Any
 
 import torch
 
-from lightrft.strategy.checkpoint.export import Progress
 from lightrft.strategy.checkpoint.layout import (
     HF_CONFIG_FILE,
     TOKENIZER_DIR,
@@ -35,14 +34,15 @@ from lightrft.strategy.checkpoint.layout import (
     CheckpointError,
     CheckpointInfo,
 )
-from lightrft.strategy.checkpoint.offline import (
+from lightrft.strategy.checkpoint.tools.export import Progress
+from lightrft.strategy.checkpoint.tools.offline import (
     DCP_DIR,
     CheckpointContents,
     open_checkpoint,
     read_contents,
 )
-from lightrft.strategy.checkpoint.staging import check_output, staged_output
-from lightrft.strategy.checkpoint.verify import Verification
+from lightrft.strategy.checkpoint.tools.staging import check_output, staged_output
+from lightrft.strategy.checkpoint.tools.verify import Verification
 
 TARGETS = ("fsdp2", "deepspeed")
 #: the optimizer state every supported optimizer keeps per parameter
@@ -162,7 +162,7 @@ def convert(
             write_fsdp2(contents, tag_dir)
             backend_info: dict[str, Any] = {}
         else:
-            from lightrft.strategy.checkpoint.deepspeed_files import write_deepspeed
+            from lightrft.strategy.checkpoint.tools.deepspeed_files import write_deepspeed
 
             precision = precision or source_meta.get("backend_info", {}).get("precision") or "fp32"
             if stage == 0 and precision != "fp32":

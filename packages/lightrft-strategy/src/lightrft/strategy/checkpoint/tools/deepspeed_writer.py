@@ -1,9 +1,9 @@
 """One rank of the job that writes a converted checkpoint as DeepSpeed's engine files.
 
     python -m torch.distributed.run --standalone --nproc-per-node N \\
-        -m lightrft.strategy.checkpoint.deepspeed_writer STATE_FILE TAG_DIR
+        -m lightrft.strategy.checkpoint.tools.deepspeed_writer STATE_FILE TAG_DIR
 
-Run by :func:`lightrft.strategy.checkpoint.deepspeed_files.write_deepspeed`. Every rank
+Run by :func:`lightrft.strategy.checkpoint.tools.deepspeed_files.write_deepspeed`. Every rank
 builds a module holding the recorded parameters (names, shapes, dtypes, ties and
 buffers: :func:`skeleton`), an AdamW over the source's groups with their
 hyperparameters, and a DeepSpeed engine of the target stage through the strategy; sets
@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightrft.strategy.checkpoint.deepspeed_files import MOMENTS
+from lightrft.strategy.checkpoint.tools.deepspeed_files import MOMENTS
 
 
 def skeleton(layout: dict[str, Any]) -> nn.Module:

@@ -23,7 +23,6 @@ from typing import Any
 
 import torch
 
-from lightrft.strategy.checkpoint.contents import CheckpointContents, OptimizerContents
 from lightrft.strategy.checkpoint.layout import (
     LATEST_FILE,
     METADATA_FILE,
@@ -32,6 +31,7 @@ from lightrft.strategy.checkpoint.layout import (
     CheckpointInfo,
     CheckpointNotFoundError,
 )
+from lightrft.strategy.checkpoint.tools.contents import CheckpointContents, OptimizerContents
 
 __all__ = [
     "DCP_DIR",
@@ -90,7 +90,7 @@ def read_contents(
             progress("read", 1, 1)
         return _complete(contents)
     if backend == "deepspeed":
-        from lightrft.strategy.checkpoint.deepspeed_files import read_deepspeed
+        from lightrft.strategy.checkpoint.tools.deepspeed_files import read_deepspeed
 
         return _complete(read_deepspeed(info, optimizer, progress))
     raise CheckpointError(

@@ -23,10 +23,10 @@ from pathlib import Path
 import torch
 
 from lightrft.strategy.checkpoint.layout import HF_CONFIG_FILE, CheckpointError, CheckpointInfo
-from lightrft.strategy.checkpoint.offline import read_contents
-from lightrft.strategy.checkpoint.staging import check_output, staged_output
 from lightrft.strategy.checkpoint.tokenizer import export_tokenizer
-from lightrft.strategy.checkpoint.verify import Verification
+from lightrft.strategy.checkpoint.tools.offline import read_contents
+from lightrft.strategy.checkpoint.tools.staging import check_output, staged_output
+from lightrft.strategy.checkpoint.tools.verify import Verification
 from lightrft.strategy.lora import base_name, merge_state_dict, peft_adapter_state
 
 Progress = Callable[[str, int, int], None]
