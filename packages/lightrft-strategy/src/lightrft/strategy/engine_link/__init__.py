@@ -5,35 +5,48 @@ The strategy talks to an engine only through the protocol of
 :mod:`lightrft.engines.capabilities` (extra ``engines``). It owns what needs the
 training side: gathering full weights from sharded parameters and streaming them to
 the engine (:mod:`.weight_sync`), splitting generation across the engine's
-tensor-parallel groups (:mod:`.generation`), and waking and sleeping it around both
-(:mod:`.sleep`). :class:`EngineLink` joins them and sets the engine up; a strategy holds
-one as ``strategy.engine_link``, and upstream's names on the strategy
-(``gather_and_generate``, ``update_engine_weights``, ...) delegate to it from
+tensor-parallel groups (:mod:`.generation`), waking and sleeping it around both
+(:mod:`.sleep`), and sending a LoRA adapter alone (:mod:`.adapter_sync`). Each part is
+an object given only what it uses (the world, the backend, the engine's slot, the parts
+it calls); :class:`EngineLink` builds them, sets the engine up, and offers the engine
+calls as its own methods. A strategy holds one as ``strategy.engine_link``, and
+upstream's names on the strategy (``gather_and_generate``, ``update_engine_weights``,
+...) delegate to it from
 :mod:`lightrft.strategy.upstream_names`, where upstream's call shapes are converted.
 """
 
 from __future__ import annotations
 
-import weakref
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 from torch import nn
 
 from lightrft.strategy import distributed
+from lightrft.strategy.engine_link.adapter_sync import AdapterSender
 from lightrft.strategy.engine_link.common import (
-    EngineHost,
+    EngineSlot,
     capabilities_module,
     is_engine,
     protocol_module,
 )
-from lightrft.strategy.engine_link.generation import build_multimodal_inputs
-from lightrft.strategy.engine_link.weight_sync import DEFAULT_BUCKET_BYTES, WeightSyncCalls
+from lightrft.strategy.engine_link.generation import Generation, build_multimodal_inputs
+from lightrft.strategy.engine_link.sleep import Sleep
+from lightrft.strategy.engine_link.weight_sync import DEFAULT_BUCKET_BYTES, WeightSync
+
+if TYPE_CHECKING:
+    import torch
+
+    from lightrft.config import StrategyConfig
+    from lightrft.engines.protocol import GenerationOutput
+    from lightrft.strategy.backend import Backend
+    from lightrft.strategy.world import World
 
 __all__ = [
     "DEFAULT_BUCKET_BYTES",
-    "EngineHost",
     "EngineLink",
+    "EngineSlot",
     "build_multimodal_inputs",
     "is_engine",
 ]
@@ -41,9 +54,99 @@ __all__ = [
 _REQUIRED = ("generate", "sleep", "wake_up", "update_weights", "finish_weight_update", "shutdown")
 
 
-class EngineLink(WeightSyncCalls):
+class EngineLink:
     """The strategy's link to its rollout engine: setup, weight sync, generation,
-    sleep/wake. Built by the strategy (``engine_link_class(world, backend)``)."""
+    sleep/wake. Built by the strategy (``engine_link_class(world, backend)``) from its
+    parts: :attr:`sleep`, :attr:`generation`, :attr:`weight_sync` (with the adapter
+    sender), sharing :attr:`slot` (the engine and its tensor-parallel group)."""
+
+    def __init__(self, world: World, backend: Backend) -> None:
+        self.world = world
+        self.backend = backend
+        self.slot = EngineSlot(world)
+        self.sleep = Sleep(world, self.slot)
+        self.generation = Generation(world, self.slot, self.sleep)
+        self.weight_sync = WeightSync(
+            world, backend, self.slot, self.sleep, self.generation,
+            AdapterSender(backend, self.sleep),
+        )  # fmt: skip
+
+    @property
+    def config(self) -> StrategyConfig:
+        return self.world.config
+
+    @property
+    def world_size(self) -> int:
+        return self.world.world_size
+
+    @property
+    def inference_engine(self) -> Any:
+        """The rollout engine (None until ``setup_inference_engine``)."""
+        return self.slot.engine
+
+    @inference_engine.setter
+    def inference_engine(self, engine: Any) -> None:
+        self.slot.engine = engine
+
+    # -- the engine calls: each part's, here by name ---------------------------------------
+    def update_engine_weights(
+        self,
+        model: nn.Module,
+        *,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        name_map: Callable[[str], str | None] | None = None,
+        dtype: torch.dtype | None = None,
+        verify: bool | None = None,
+        skip_unchanged: bool = False,
+    ) -> dict[str, Any]:
+        """:meth:`.weight_sync.WeightSync.update_engine_weights`."""
+        return self.weight_sync.update_engine_weights(
+            model, bucket_bytes=bucket_bytes, name_map=name_map, dtype=dtype, verify=verify,
+            skip_unchanged=skip_unchanged,
+        )  # fmt: skip
+
+    def verify_engine_weights(
+        self,
+        model: nn.Module,
+        *,
+        probe: Sequence[int] | None = None,
+        max_new_tokens: int = 8,
+        tolerance: float | None = None,
+    ) -> dict[str, Any]:
+        """:meth:`.weight_sync.WeightSync.verify_engine_weights`."""
+        return self.weight_sync.verify_engine_weights(
+            model, probe=probe, max_new_tokens=max_new_tokens, tolerance=tolerance
+        )
+
+    def generate(
+        self,
+        prompts: Sequence[Any],
+        sampling: Any,
+        *,
+        sleep_after: bool = False,
+        refused: Exception | None = None,
+    ) -> list[GenerationOutput]:
+        """:meth:`.generation.Generation.generate`."""
+        return self.generation.generate(prompts, sampling, sleep_after=sleep_after, refused=refused)
+
+    def engine_generate_local(
+        self,
+        sampling_params: Any,
+        prompt_token_ids: Sequence[Sequence[int]] | None = None,
+        multi_modal_inputs: Sequence[Mapping[str, Any]] | None = None,
+    ) -> list[GenerationOutput]:
+        """:meth:`.generation.Generation.generate_local`."""
+        return self.generation.generate_local(sampling_params, prompt_token_ids, multi_modal_inputs)
+
+    def maybe_sleep_inference_engine(self) -> bool:
+        """:meth:`.sleep.Sleep.maybe_sleep`."""
+        return self.sleep.maybe_sleep()
+
+    def wakeup_inference_engine(self, tags: Sequence[str] | None = None) -> None:
+        """:meth:`.sleep.Sleep.wake_up`."""
+        self.sleep.wake_up(tags)
+
+    # -- setup -----------------------------------------------------------------------------
 
     def attach(self, engine: Any, actor: nn.Module | None = None, *, built: bool = False) -> Any:
         """Use ``engine`` (an object implementing
@@ -65,19 +168,18 @@ class EngineLink(WeightSyncCalls):
             if isinstance(engine, offered.TensorParallel) and engine.tp_size
             else self.world.sizes.engine_tp_size
         )
-        rank = self.get_rank()
-        self._engine_group_ranks = tuple(rank - rank % tp + i for i in range(tp))
-        self._engine_group = None
+        rank = self.world.get_rank()
+        slot = self.slot
+        slot.group_ranks = tuple(rank - rank % tp + i for i in range(tp))
+        slot.group = None
         if dist.is_initialized() and tp > 1:
             for first in range(0, self.world_size, tp):  # every rank creates every group
                 group = distributed.new_group(list(range(first, first + tp)))
-                if first == self._engine_group_ranks[0]:
-                    self._engine_group = group
-        self.inference_engine = engine
-        self._warned_no_sleep = False
-        self._slept_tags = frozenset()
-        self._synced_in_full = weakref.WeakSet()
-        self._engine_holds = weakref.WeakKeyDictionary()
+                if first == slot.group_ranks[0]:
+                    slot.group = group
+        slot.engine = engine
+        self.sleep.forget()
+        self.weight_sync.forget()
         if actor is not None:
             self.update_engine_weights(actor)
         if built:
@@ -122,4 +224,4 @@ class EngineLink(WeightSyncCalls):
     def engine_group(self) -> Any:
         """The process group of this rank's engine tensor-parallel group (None for a
         group of one); upstream's ``strategy.engine_mp_group``."""
-        return self._engine_group
+        return self.slot.group

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -19,13 +19,20 @@ from lightrft.strategy.engine_link.common import (
     protocol_module,
     weight_version,
 )
-from lightrft.strategy.engine_link.generation import GenerationCalls
+from lightrft.strategy.engine_link.sleep import Sleep
+
+if TYPE_CHECKING:
+    from lightrft.strategy.backend import Backend
 
 
-class AdapterSyncCalls(GenerationCalls):
+class AdapterSender:
     """The adapter-only path of ``update_engine_weights``."""
 
-    def _send_adapter(
+    def __init__(self, backend: Backend, sleep: Sleep) -> None:
+        self.backend = backend
+        self.sleep = sleep
+
+    def send(
         self,
         engine: Any,
         model: nn.Module,
@@ -56,7 +63,7 @@ class AdapterSyncCalls(GenerationCalls):
         expected = engine.weight_shapes() if isinstance(engine, offered.WeightShapes) else None
         if expected is not None:
             adapter.check_fits(expected, name)
-        self._wake(["weights"], blind=False)
+        self.sleep.wake(["weights"], blind=False)
         started = time.perf_counter()
         tensors: dict[str, torch.Tensor] = {}
         for target, tensor in adapter(self.backend.iter_full_parameters(model, adapter.select)):
@@ -67,7 +74,7 @@ class AdapterSyncCalls(GenerationCalls):
         gathered = time.perf_counter()
         engine.load_adapter(tensors, adapter.settings)
         load_s = time.perf_counter() - gathered
-        self._wake(["kv_cache"], blind=False)
+        self.sleep.wake(["kv_cache"], blind=False)
         return {
             "tensors": len(tensors),
             "buckets": 1,

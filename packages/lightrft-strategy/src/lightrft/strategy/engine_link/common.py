@@ -5,15 +5,9 @@ link's state and what it reads of the strategy."""
 from __future__ import annotations
 
 import logging
-import weakref
 from typing import TYPE_CHECKING, Any
 
-import torch
-from torch import nn
-
 if TYPE_CHECKING:
-    from lightrft.config import StrategyConfig
-    from lightrft.strategy.backend import Backend
     from lightrft.strategy.world import World
 
 logger = logging.getLogger("lightrft.strategy.engine_link")
@@ -60,52 +54,22 @@ def is_engine(model: Any) -> bool:
     return callable(getattr(model, "wake_up", None)) and callable(getattr(model, "generate", None))
 
 
-class EngineHost:
-    """The engine link's state, and what it is given: the strategy's
-    :class:`~lightrft.strategy.world.World` (config, device, ranks, step counters) and
-    its backend (for gathering full parameters); never the strategy itself."""
+class EngineSlot:
+    """The engine a link serves and its tensor-parallel group: what the link's parts
+    (sleep, generation, weight sync) share. Set by ``EngineLink.attach``."""
 
-    def __init__(self, world: World, backend: Backend) -> None:
+    def __init__(self, world: World) -> None:
         self.world = world
-        self.backend = backend
         #: The rollout engine (None until ``setup_inference_engine``).
-        self.inference_engine: Any = None
-        self._engine_group: Any = None
-        self._engine_group_ranks: tuple[int, ...] = (0,)
-        #: For an engine that keeps no SleepState: the wake-up tags of what the link
-        #: itself put to sleep (so its calls wake what they slept, and only that).
-        self._slept_tags: frozenset[str] = frozenset()
-        self._warned_no_sleep = False
-        #: LoRA models whose merged weights reached this engine in full once: later
-        #: syncs send only what the adapter can change.
-        self._synced_in_full: weakref.WeakSet[nn.Module] = weakref.WeakSet()
-        #: Per model: what the engine got at the last sync (the model's weight_changes,
-        #: the engine's weight_version after it, the sync's renaming and dtype).
-        self._engine_holds: weakref.WeakKeyDictionary[nn.Module, tuple[Any, ...]] = (
-            weakref.WeakKeyDictionary()
-        )
+        self.engine: Any = None
+        #: The process group of this rank's engine tensor-parallel group (None: alone).
+        self.group: Any = None
+        self.group_ranks: tuple[int, ...] = (0,)
 
-    @property
-    def config(self) -> StrategyConfig:
-        return self.world.config
-
-    @property
-    def device(self) -> torch.device:
-        return self.world.device
-
-    @property
-    def world_size(self) -> int:
-        return self.world.world_size
-
-    def get_rank(self) -> int:
-        return self.world.get_rank()
-
-    def _weight_changes(self, model: nn.Module) -> int:
-        """How often the strategy has changed ``model``'s weights (its StepState)."""
-        return self.world.step_state(model).weight_changes
-
-    def _require_engine(self, what: str) -> Any:
+    def require(self, what: str) -> Any:
+        """The engine, once the strategy is set up and one is attached; else raises
+        naming ``what``."""
         self.world.require_setup(what)
-        if self.inference_engine is None:
+        if self.engine is None:
             raise RuntimeError(f"{what} needs strategy.setup_inference_engine(...) first")
-        return self.inference_engine
+        return self.engine

@@ -12,16 +12,22 @@ from typing import TYPE_CHECKING, Any
 import torch.distributed as dist
 
 from lightrft.strategy import roll_call
-from lightrft.strategy.engine_link.common import limits, protocol_module
-from lightrft.strategy.engine_link.sleep import SleepCalls
+from lightrft.strategy.engine_link.common import EngineSlot, limits, protocol_module
+from lightrft.strategy.engine_link.sleep import Sleep
 
 if TYPE_CHECKING:
     from lightrft.engines.protocol import GenerationOutput
+    from lightrft.strategy.world import World
 
 
-class GenerationCalls(SleepCalls):
+class Generation:
     """:meth:`generate` (upstream's ``gather_and_generate`` converts to it) and
-    ``engine_generate_local``."""
+    :meth:`generate_local` (upstream's ``engine_generate_local``)."""
+
+    def __init__(self, world: World, slot: EngineSlot, sleep: Sleep) -> None:
+        self.world = world
+        self.slot = slot
+        self.sleep = sleep
 
     def generate(
         self,
@@ -44,15 +50,15 @@ class GenerationCalls(SleepCalls):
         ``refused``: this rank's inputs could not be built; every rank of the group
         raises it (named with the rank), none generates."""
         if refused is None:
-            self._wake(None, blind=False)
+            self.sleep.wake(None, blind=False)
         try:
             with roll_call.guard("generate"):
                 return self._gather_generate(list(prompts), sampling, refused=refused)
         finally:  # a refused prompt too: the trainer gets the memory back
             if sleep_after:
-                self.maybe_sleep_inference_engine()
+                self.sleep.maybe_sleep()
 
-    def engine_generate_local(
+    def generate_local(
         self,
         sampling_params: Any,
         prompt_token_ids: Sequence[Sequence[int]] | None = None,
@@ -60,7 +66,7 @@ class GenerationCalls(SleepCalls):
     ) -> list[GenerationOutput]:
         """Generate on this rank's engine alone, without gathering (upstream's call):
         exactly one of ``prompt_token_ids`` and ``multi_modal_inputs``."""
-        engine = self._require_engine("engine_generate_local")
+        engine = self.slot.require("engine_generate_local")
         if (prompt_token_ids is None) == (multi_modal_inputs is None):
             raise ValueError(
                 "engine_generate_local takes exactly one of prompt_token_ids and multi_modal_inputs"
@@ -99,16 +105,18 @@ class GenerationCalls(SleepCalls):
     ) -> list[GenerationOutput]:
         """``refused``: this rank's inputs could not be built; every rank of the group
         raises it (named with the rank), none generates."""
-        engine = self._require_engine("generate")
-        group_ranks = self._engine_group_ranks
+        engine = self.slot.require("generate")
+        group_ranks = self.slot.group_ranks
         if len(group_ranks) == 1:
             if refused is not None:
                 raise refused
-            self._check_prompts(engine, list(prompts), sampling, [len(prompts)], self.get_rank())
+            self._check_prompts(
+                engine, list(prompts), sampling, [len(prompts)], self.world.get_rank()
+            )
             return list(engine.generate(list(prompts), sampling))
         mine = (list(prompts), None if refused is None else str(refused))
         gathered: list[Any] = [None] * len(group_ranks)
-        dist.all_gather_object(gathered, mine, group=self._engine_group)
+        dist.all_gather_object(gathered, mine, group=self.slot.group)
         errors = [
             (rank, error) for rank, (_, error) in zip(group_ranks, gathered, strict=True) if error
         ]
@@ -128,12 +136,12 @@ class GenerationCalls(SleepCalls):
             outputs = list(engine.generate(everything, sampling)) if everything else []
         else:
             holder: list[Any] = [None]
-            if self.get_rank() == leader:
+            if self.world.get_rank() == leader:
                 holder[0] = list(engine.generate(everything, sampling)) if everything else []
-            dist.broadcast_object_list(holder, src=leader, group=self._engine_group)
+            dist.broadcast_object_list(holder, src=leader, group=self.slot.group)
             outputs = holder[0]
         n = len(outputs) // len(everything) if everything else 1
-        index = group_ranks.index(self.get_rank())
+        index = group_ranks.index(self.world.get_rank())
         start = sum(len(chunk) for chunk in per_rank[:index]) * n
         return outputs[start : start + len(per_rank[index]) * n]
 

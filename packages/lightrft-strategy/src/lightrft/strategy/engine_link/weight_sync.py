@@ -7,23 +7,31 @@ from __future__ import annotations
 
 import contextlib
 import time
+import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from lightrft.strategy import lora, roll_call
 from lightrft.strategy.actor import training_module, unwrap_model
-from lightrft.strategy.engine_link.adapter_sync import AdapterSyncCalls
+from lightrft.strategy.engine_link.adapter_sync import AdapterSender
 from lightrft.strategy.engine_link.common import (
+    EngineSlot,
     capabilities_module,
     limits,
     logger,
     protocol_module,
     weight_version,
 )
+from lightrft.strategy.engine_link.generation import Generation
+from lightrft.strategy.engine_link.sleep import Sleep
 from lightrft.strategy.tensors import full_shape
+
+if TYPE_CHECKING:
+    from lightrft.strategy.backend import Backend
+    from lightrft.strategy.world import World
 
 #: Default size of one weight-sync bucket.
 DEFAULT_BUCKET_BYTES = 256 * 2**20
@@ -72,9 +80,42 @@ class SyncTensors:
             raise
 
 
-class WeightSyncCalls(AdapterSyncCalls):
-    """``update_engine_weights`` and ``verify_engine_weights``; full weights are gathered
-    through the backend's ``iter_full_parameters``."""
+class WeightSync:
+    """:meth:`update_engine_weights` and :meth:`verify_engine_weights`, and what the
+    engine holds after each sync."""
+
+    def __init__(
+        self,
+        world: World,
+        backend: Backend,
+        slot: EngineSlot,
+        sleep: Sleep,
+        generation: Generation,
+        adapters: AdapterSender,
+    ) -> None:
+        self.world = world
+        self.backend = backend
+        self.slot = slot
+        self.sleep = sleep
+        self.generation = generation
+        self.adapters = adapters
+        #: LoRA models whose merged weights reached this engine in full once: later
+        #: syncs send only what the adapter can change.
+        self._synced_in_full: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+        #: Per model: what the engine got at the last sync (the model's weight_changes,
+        #: the engine's weight_version after it, the sync's renaming and dtype).
+        self._engine_holds: weakref.WeakKeyDictionary[nn.Module, tuple[Any, ...]] = (
+            weakref.WeakKeyDictionary()
+        )
+
+    def forget(self) -> None:
+        """A new engine is attached: it holds nothing synced by the link."""
+        self._synced_in_full = weakref.WeakSet()
+        self._engine_holds = weakref.WeakKeyDictionary()
+
+    def _weight_changes(self, model: nn.Module) -> int:
+        """How often the strategy has changed ``model``'s weights (its StepState)."""
+        return self.world.step_state(model).weight_changes
 
     def update_engine_weights(
         self,
@@ -146,7 +187,7 @@ class WeightSyncCalls(AdapterSyncCalls):
         keeping none, its weights sleep at level 2."""
         if isinstance(engine, capabilities_module().KeepsSleepState):
             return bool(engine.state.weights_stale)
-        return self.config.sleep_level == 2 and bool(self._sleeping(["weights"]))
+        return self.world.config.sleep_level == 2 and bool(self.sleep.sleeping(["weights"]))
 
     def _remember(
         self, engine: Any, model: nn.Module, module: nn.Module, how: tuple[Any, ...]
@@ -176,10 +217,10 @@ class WeightSyncCalls(AdapterSyncCalls):
             return None
         logger.info("update_engine_weights: the engine holds these weights already (%d "
                     "weight changes); nothing sent", changes)  # fmt: skip
-        self._wake(None, blind=False)
+        self.sleep.wake(None, blind=False)
         held = {"tensors": 0, "buckets": 0, "bytes": 0, "gather_s": 0.0, "load_s": 0.0,
                 "weight_version": weight_version(engine), "skipped": True}  # fmt: skip
-        if self.config.verify_engine_sync if verify is None else verify:
+        if self.world.config.verify_engine_sync if verify is None else verify:
             held.update(self.verify_engine_weights(model))
         return held
 
@@ -193,7 +234,7 @@ class WeightSyncCalls(AdapterSyncCalls):
         verify: bool | None,
         skip_unchanged: bool = False,
     ) -> dict[str, Any]:
-        engine = self.inference_engine
+        engine = self.slot.engine
         if engine is None:  # as upstream's: a trainer without rollouts carries on
             logger.warning(
                 "update_engine_weights: no inference engine is set up, nothing was sent "
@@ -209,12 +250,12 @@ class WeightSyncCalls(AdapterSyncCalls):
         held = self._held(engine, model, module, how, verify=verify, skip=skip_unchanged)
         if held is not None:
             return held
-        if self.config.lora_sync == "adapter" and lora.is_lora_model(module):
-            adapter_stats = self._send_adapter(
+        if self.world.config.lora_sync == "adapter" and lora.is_lora_model(module):
+            adapter_stats = self.adapters.send(
                 engine, model, module, name_map=name_map, dtype=dtype
             )
             self._remember(engine, model, module, how)
-            if self.config.verify_engine_sync if verify is None else verify:
+            if self.world.config.verify_engine_sync if verify is None else verify:
                 adapter_stats.update(self.verify_engine_weights(model))
             return adapter_stats
         # a LoRA model: the engine serves the base model, so it gets the merged weights
@@ -243,7 +284,7 @@ class WeightSyncCalls(AdapterSyncCalls):
         # a sleeping engine is woken, as upstream's update_engine_weights wakes it before
         # broadcasting (whole, with one wake_up()); here in the order a level-2 sleep
         # needs: the weights, the sync, then the KV cache
-        self._wake(["weights"], blind=False)
+        self.sleep.wake(["weights"], blind=False)
         counts = {"tensors": 0, "bytes": 0}
 
         def full_tensors() -> Iterator[tuple[str, torch.Tensor]]:
@@ -269,7 +310,7 @@ class WeightSyncCalls(AdapterSyncCalls):
             buckets, load_s = self._send_buckets(
                 engine, SyncTensors(full_tensors()), bucket_bytes, finish
             )
-        self._wake(["kv_cache"], blind=False)
+        self.sleep.wake(["kv_cache"], blind=False)
         stats: dict[str, Any] = {
             "tensors": counts["tensors"],
             "buckets": buckets,
@@ -282,7 +323,7 @@ class WeightSyncCalls(AdapterSyncCalls):
             stats["lora"] = "merged_delta" if merge.only_touched else "merged"
             self._synced_in_full.add(module)
         self._remember(engine, model, module, how)
-        if self.config.verify_engine_sync if verify is None else verify:
+        if self.world.config.verify_engine_sync if verify is None else verify:
             stats.update(self.verify_engine_weights(model))
         return stats
 
@@ -377,20 +418,20 @@ class WeightSyncCalls(AdapterSyncCalls):
         :class:`lightrft.engines.EngineError` naming the gap, the token and the
         tolerance; returns ``max_logprob_gap`` and ``probe_tokens``."""
         protocol = protocol_module()
-        engine = self._require_engine("verify_engine_weights")
+        engine = self.slot.require("verify_engine_weights")
         model = training_module(model)  # upstream's actor: its Hugging Face model
         vocab = int(limits(engine)[0] or 2)
         ids = list(probe) if probe is not None else [(7 * i + 3) % vocab for i in range(8)]
         params = protocol.SamplingParams(
             max_new_tokens=max_new_tokens, temperature=0.0, logprobs=True
         )
-        out = self.generate([ids], params)[0]
+        out = self.generation.generate([ids], params)[0]
         if out.logprobs is None:
             raise protocol.EngineError(
                 f"{type(engine).__name__} returned no logprobs, so its weights cannot be "
                 "verified; turn verify_engine_sync off for this engine"
             )
-        tokens = torch.tensor([ids + list(out.output_token_ids)], device=self.device)
+        tokens = torch.tensor([ids + list(out.output_token_ids)], device=self.world.device)
         was_training = model.training
         model.eval()
         try:
@@ -411,7 +452,10 @@ class WeightSyncCalls(AdapterSyncCalls):
         if tolerance is None:
             offered = capabilities_module()
             dtype = engine.dtype if isinstance(engine, offered.ComputeDtype) else "float32"
-            fp32 = self.config.resolved_precision == "fp32" and dtype in ("float32", torch.float32)
+            fp32 = self.world.config.resolved_precision == "fp32" and dtype in (
+                "float32",
+                torch.float32,
+            )
             tolerance = 1e-3 if fp32 else 0.1
         if not gap <= tolerance:  # NaN fails too
             worst = gaps.index(gap)
