@@ -24,9 +24,9 @@ import logging
 import random
 import sys
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 import torch.distributed as dist
@@ -51,11 +51,14 @@ from lightrft.strategy.construction import (
     config_from_constructor,
 )
 from lightrft.strategy.data import ResumableDataLoader, build_dataloader
-from lightrft.strategy.engine_link import EngineLink
+from lightrft.strategy.engine_link import DEFAULT_BUCKET_BYTES, EngineLink
 from lightrft.strategy.optim import build_scheduler, parameter_groups
 from lightrft.strategy.stepping import StepState
 from lightrft.strategy.upstream_names import UpstreamAttributes, UpstreamEngineCalls
 from lightrft.strategy.world import World
+
+if TYPE_CHECKING:
+    from lightrft.engines.protocol import GenerationOutput
 
 logger = logging.getLogger("lightrft.strategy")
 _print_logger = logging.getLogger("lightrft.strategy.print")
@@ -751,6 +754,61 @@ class StrategyBase(UpstreamAttributes, UpstreamEngineCalls):
         self.step_state(model_ema).weight_changes += 1
         self._ema_steps[ema] = steps.global_steps
         return True
+
+    # -- the rollout engine (upstream's names and ours; its other calls: upstream_names) ----
+    def update_engine_weights(
+        self,
+        model: nn.Module,
+        *,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        name_map: Callable[[str], str | None] | None = None,
+        dtype: torch.dtype | None = None,
+        verify: bool | None = None,
+        skip_unchanged: bool = False,
+    ) -> dict[str, Any]:
+        """Send ``model``'s full weights to the engine (with ``skip_unchanged``, nothing
+        when the engine holds them already); see :meth:`EngineLink.update_engine_weights`.
+        Collective."""
+        return self.engine_link.update_engine_weights(
+            model, bucket_bytes=bucket_bytes, name_map=name_map, dtype=dtype, verify=verify,
+            skip_unchanged=skip_unchanged,
+        )  # fmt: skip
+
+    def verify_engine_weights(
+        self,
+        model: nn.Module,
+        *,
+        probe: Sequence[int] | None = None,
+        max_new_tokens: int = 8,
+        tolerance: float | None = None,
+    ) -> dict[str, Any]:
+        """Check that the engine computes with ``model``'s weights; see
+        :meth:`EngineLink.verify_engine_weights`. Collective."""
+        return self.engine_link.verify_engine_weights(
+            model, probe=probe, max_new_tokens=max_new_tokens, tolerance=tolerance
+        )
+
+    def maybe_sleep_inference_engine(self) -> bool:
+        """Put the engine to sleep when ``enable_engine_sleep`` is set; returns whether
+        it slept."""
+        return self.engine_link.maybe_sleep_inference_engine()
+
+    def wakeup_inference_engine(self, tags: Sequence[str] | None = None) -> None:
+        """Wake the engine (``tags``: ``"weights"``, ``"kv_cache"``; None: both) when
+        ``enable_engine_sleep`` is set."""
+        self.engine_link.wakeup_inference_engine(tags)
+
+    def engine_generate_local(
+        self,
+        sampling_params: Any,
+        prompt_token_ids: Sequence[Sequence[int]] | None = None,
+        multi_modal_inputs: Sequence[Mapping[str, Any]] | None = None,
+    ) -> list[GenerationOutput]:
+        """Generate on this rank's engine alone, without gathering: exactly one of
+        ``prompt_token_ids`` and ``multi_modal_inputs``."""
+        return self.engine_link.engine_generate_local(
+            sampling_params, prompt_token_ids, multi_modal_inputs
+        )
 
     # -- checkpoints -----------------------------------------------------------------------
     def save_ckpt(

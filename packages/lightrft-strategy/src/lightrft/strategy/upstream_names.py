@@ -4,11 +4,12 @@
 
 * :class:`UpstreamAttributes`: upstream's read-only attributes (``strategy.bf16``,
   ``strategy.zpg``, ...), each the configuration's field of the same name;
-* :class:`UpstreamEngineCalls`: upstream's engine calls (``setup_inference_engine``,
-  ``gather_and_generate``, ``update_engine_weights``, ``inference_engine``, ...) and
-  ours beside them (``verify_engine_weights``, not upstream's), each converted here,
-  once, into one call of the strategy's engine link
-  (:class:`lightrft.strategy.engine_link.EngineLink`).
+* :class:`UpstreamEngineCalls`: upstream's engine calls whose call shapes differ from
+  ours (``setup_inference_engine``, ``gather_and_generate``) and its aliases
+  (``inference_engine``, ``engine_mp_group``), each converted here, once, into one call
+  of the strategy's engine link (:class:`lightrft.strategy.engine_link.EngineLink`).
+  The engine calls upstream and we share one shape of (``update_engine_weights``,
+  ``maybe_sleep_inference_engine``, ...) are plain methods of ``StrategyBase``.
 
 Where one name takes two shapes (``gather_and_generate(prompts, sampling)`` and
 upstream's ``gather_and_generate(sampling_params, all_prompt_token_ids=...)``;
@@ -18,13 +19,12 @@ engine_type=...)``), the shape is recognised in this module and nowhere else.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-import torch
 from torch import nn
 
-from lightrft.strategy.engine_link import DEFAULT_BUCKET_BYTES, build_multimodal_inputs
+from lightrft.strategy.engine_link import build_multimodal_inputs
 
 if TYPE_CHECKING:
     from lightrft.config import StrategyConfig
@@ -126,60 +126,6 @@ class UpstreamEngineCalls:
         if _is_engine_source(engine):
             return self.engine_link.build(engine, engine_type, actor, **engine_options)
         return self.engine_link.attach(engine, actor)
-
-    def update_engine_weights(
-        self,
-        model: nn.Module,
-        *,
-        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-        name_map: Callable[[str], str | None] | None = None,
-        dtype: torch.dtype | None = None,
-        verify: bool | None = None,
-        skip_unchanged: bool = False,
-    ) -> dict[str, Any]:
-        """Send ``model``'s full weights to the engine (with ``skip_unchanged``, nothing
-        when the engine holds them already); see :meth:`EngineLink.update_engine_weights`.
-        Collective."""
-        return self.engine_link.update_engine_weights(
-            model, bucket_bytes=bucket_bytes, name_map=name_map, dtype=dtype, verify=verify,
-            skip_unchanged=skip_unchanged,
-        )  # fmt: skip
-
-    def verify_engine_weights(
-        self,
-        model: nn.Module,
-        *,
-        probe: Sequence[int] | None = None,
-        max_new_tokens: int = 8,
-        tolerance: float | None = None,
-    ) -> dict[str, Any]:
-        """Check that the engine computes with ``model``'s weights; see
-        :meth:`EngineLink.verify_engine_weights`. Collective."""
-        return self.engine_link.verify_engine_weights(
-            model, probe=probe, max_new_tokens=max_new_tokens, tolerance=tolerance
-        )
-
-    def maybe_sleep_inference_engine(self) -> bool:
-        """Put the engine to sleep when ``enable_engine_sleep`` is set; returns whether
-        it slept."""
-        return self.engine_link.maybe_sleep_inference_engine()
-
-    def wakeup_inference_engine(self, tags: Sequence[str] | None = None) -> None:
-        """Wake the engine (``tags``: ``"weights"``, ``"kv_cache"``; None: both) when
-        ``enable_engine_sleep`` is set."""
-        self.engine_link.wakeup_inference_engine(tags)
-
-    def engine_generate_local(
-        self,
-        sampling_params: Any,
-        prompt_token_ids: Sequence[Sequence[int]] | None = None,
-        multi_modal_inputs: Sequence[Mapping[str, Any]] | None = None,
-    ) -> list[GenerationOutput]:
-        """Generate on this rank's engine alone, without gathering: exactly one of
-        ``prompt_token_ids`` and ``multi_modal_inputs``."""
-        return self.engine_link.engine_generate_local(
-            sampling_params, prompt_token_ids, multi_modal_inputs
-        )
 
     def gather_and_generate(
         self,
