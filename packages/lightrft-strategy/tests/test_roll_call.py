@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import socket
 import subprocess
 import sys
 
@@ -84,3 +85,21 @@ def test_an_exited_process_counts_before_its_parent_reaps_it() -> None:
     assert _exited(child.pid)
     child.wait()
     assert _exited(child.pid)
+
+
+def test_a_rank_killed_inside_the_operation_is_named_once_its_process_has_ended() -> None:
+    """Both ranks reached the save; rank 1's process is still ending when rank 0's
+    connection to it drops (CI: a SIGKILLed rank, ZeRO-3 save): the roll call looks again
+    until the process has exited, and names it."""
+    store = dist.HashStore()
+    rank0, rank1 = RollCall(store, 0, 2, TIMEOUT), RollCall(store, 1, 2, TIMEOUT)
+    ending = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(0.5)"])
+    try:
+        store.set("host/1", f"{socket.gethostname()} {ending.pid}")
+        rank1.arrive("save_ckpt")
+        with pytest.raises(CollectiveError) as caught, rank0.guard("save_ckpt"):
+            raise RuntimeError("[pair.cc:561] Connection closed by peer [127.0.0.1]:1234")
+        assert list(caught.value.missing) == [1]
+        assert "has exited" in caught.value.missing[1]
+    finally:
+        ending.wait()

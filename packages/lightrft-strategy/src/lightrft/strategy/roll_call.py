@@ -16,6 +16,7 @@ import datetime
 import functools
 import os
 import socket
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,6 +37,16 @@ _PEER_FAILURE_WORDS = (
     "connection refused",
     "ncclremoteerror",
     "ncclsystemerror",
+)
+
+
+# Those of a peer gone, not merely slow.
+_LOST_CONNECTION_WORDS = (
+    "connection closed",
+    "connection reset",
+    "broken pipe",
+    "socket closed",
+    "connection refused",
 )
 
 
@@ -142,7 +153,7 @@ class RollCall:
     def error(self, operation: str, seq: int, cause: BaseException) -> CollectiveError:
         """The :class:`CollectiveError` for ``operation`` (#``seq``) failing with ``cause``."""
         try:
-            missing = self.absent(seq)
+            missing = self._absent_settled(seq, cause)
         except Exception as store_error:  # the store's host may be the rank that is gone
             roll = (
                 f"the roll call could not read the rendezvous store ({store_error}); the "
@@ -163,6 +174,21 @@ class RollCall:
             f"setup_distributed(timeout=...)). Cause: {first_line}"
         )
         return CollectiveError(message, operation, self.rank, missing)
+
+    def _absent_settled(
+        self, seq: int, cause: BaseException, wait_s: float = 3.0
+    ) -> dict[int, str]:
+        """:meth:`absent`; when every rank reached ``seq`` yet the connection to one was
+        lost, that rank was killed inside the operation and its process may still be
+        ending (a killed process closes its sockets before /proc shows it exited), so
+        look again for up to ``wait_s`` seconds."""
+        missing = self.absent(seq)
+        lost = any(w in str(cause).lower() for w in _LOST_CONNECTION_WORDS)
+        deadline = time.monotonic() + wait_s
+        while not missing and lost and time.monotonic() < deadline:
+            time.sleep(0.1)
+            missing = self.absent(seq)
+        return missing
 
     def _arrival(self, rank: int) -> _Arrival | None:
         key = f"at/{rank}"
