@@ -4,14 +4,17 @@
 
 The class holds the lifecycle (distributed setup, seeding, readiness, close) and the
 training API (prepare, backward, optimizer step, data loaders, checkpoints, models saved
-for Hugging Face), with its components as attributes: ``backend`` (a
+for Hugging Face, the engine calls), with its components as attributes, each built from
+``world`` (:class:`~lightrft.strategy.world.World`: config, ranks, device, accumulation,
+step counters) and never from the strategy: ``backend`` (a
 :class:`~lightrft.strategy.backend.Backend`: how models are wrapped, stepped, gathered,
-saved and loaded on FSDP2 or DeepSpeed) and ``engine_link`` (weight sync, generation,
-sleep/wake: :mod:`lightrft.strategy.engine_link`). Upstream's names for the engine calls
-and upstream's read-only attributes are delegates mixed in from
+saved and loaded on FSDP2 or DeepSpeed), ``engine_link`` (weight sync, generation,
+sleep/wake: :mod:`lightrft.strategy.engine_link`) and ``checkpoints`` (a
+:class:`~lightrft.strategy.checkpoint.manager.CheckpointManager`). Upstream's engine
+calls of other shapes and its read-only attributes are delegates mixed in from
 :mod:`lightrft.strategy.upstream_names`. The rest of the work lives in modules this class
-calls: collectives, data, stepping, optim, the checkpoint manager and sequence
-parallelism (``sequence_parallel``, ``ulysses``).
+calls: collectives, data, stepping, optim and sequence parallelism
+(``sequence_parallel``, ``ulysses``).
 """
 
 from __future__ import annotations
