@@ -1,5 +1,5 @@
-"""Setting up the strategy's rollout engine (``engine_link``'s ``InferenceEngineCalls``
-and :mod:`~lightrft.strategy.engine_link.common`): what counts as an engine, the calls
+"""Setting up the strategy's rollout engine (``EngineLink.attach``/``build`` and
+:mod:`~lightrft.strategy.engine_link.common`): what counts as an engine, the calls
 that need one, and upstream's form that builds the engine from its arguments, against
 lightrft-testing's FakeEngine."""
 

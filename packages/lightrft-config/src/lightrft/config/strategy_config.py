@@ -571,7 +571,8 @@ class StrategyConfig(BaseModel):
     def validate_world_size(self, world_size: int) -> None:
         """Check the settings that depend on the number of ranks.
 
-        The strategy calls this once the process group exists. Raises
+        The strategy calls this with the launcher's world size before it joins the
+        process group (the fake strategy with 1). Raises
         :class:`ConfigError` naming every size that does not fit ``world_size``.
         """
         if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:

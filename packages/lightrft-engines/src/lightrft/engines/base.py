@@ -11,7 +11,8 @@ whether the engine is shut down, and runs the protocol's ``sleep``, ``wake_up`` 
 * :meth:`EngineBase._close` — stop the engine, called once.
 
 An adapter calls :meth:`EngineBase._check_open` first in its own calls and
-:meth:`EngineBase._synced` when a whole weight sync has landed; one that serves LoRA
+:meth:`EngineBase._synced` when a weight sync has landed (``complete=False`` for a
+partial one); one that serves LoRA
 adapters calls :meth:`EngineBase._check_adapter_rank` before loading one.
 """
 
@@ -44,7 +45,8 @@ class EngineBase(KeepsSleepState, WeightVersion):
 
     @property
     def weight_version(self) -> int:
-        """How many whole weight syncs have landed (every output carries it)."""
+        """How many weight syncs have landed, partial ones included (every output
+        carries it)."""
         return self._weight_version
 
     @property

@@ -10,8 +10,8 @@ the defaults are those of a model that is not sharded (plain autograd, torch's A
 A backend is given the strategy's :class:`~lightrft.strategy.world.World` (config,
 device, ranks, accumulation, step counters, collectives), never the strategy itself, so
 it can be built and tested without one. What a strategy of a backend needs beyond these
-methods (FSDP2's mesh, DeepSpeed's configs) it reads from the backend's documented
-attributes.
+methods (FSDP2's ``mesh``, DeepSpeed's ``train_config()``/``eval_config()``) it reads
+from the backend's documented members.
 """
 
 from __future__ import annotations

@@ -625,8 +625,8 @@ class StrategyBase(UpstreamAttributes, UpstreamEngineCalls):
 
     # -- memory --------------------------------------------------------------------------
     def report_memory(self, prefix: str = "") -> dict[str, float]:
-        """Memory in GiB (accelerator allocated/reserved/peak when on CUDA, the process's
-        peak resident set on CPU), logged on rank 0 and returned."""
+        """Memory in GiB (accelerator allocated/reserved/peak when on CUDA, and the
+        process's peak resident set on every device), logged on rank 0 and returned."""
         gib = 2**30
         figures: dict[str, float] = {}
         if self.device.type == "cuda":

@@ -39,8 +39,9 @@ class World:
         accumulated_gradient: micro-batches per optimizer step.
         step_states: each model's step counters, keyed by the unwrapped module.
         ready, closed: whether the strategy is set up, and whether it was closed since.
-        alone: a world of one whatever the environment or a process group says (the
-            fake strategy, one process playing every rank).
+        alone: world size 1 and rank 0 whatever the environment or a process group
+            says (the fake strategy, one process playing every rank); it creates no
+            process group, so its collectives reduce over itself.
         owner: the name of the strategy's class, for errors.
     """
 

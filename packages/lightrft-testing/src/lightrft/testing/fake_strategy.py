@@ -23,8 +23,9 @@ Where it differs from the real backends:
 * ``setup_inference_engine()`` with nothing to build from (upstream's fake test calls
   ``setup_inference_engine(None)``) sets up a :class:`~lightrft.testing.FakeEngine`;
   ``engine_generate_local`` with no prompts returns ``[]``;
-* it never creates a process group and ignores torchrun/SLURM variables: the world is
-  always one rank (collectives return what a world-size-1 run returns);
+* it never creates a process group and ignores torchrun/SLURM variables: its world is
+  one rank (``world_size`` 1, rank 0; without a process group, collectives return what
+  a world-size-1 run returns);
 * ``init_model_context(meta_init=True)`` builds normally (there is no other rank to
   copy weights from);
 * its checkpoints hold the model and optimizer ``state_dict`` as two files

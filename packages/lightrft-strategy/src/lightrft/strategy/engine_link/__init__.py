@@ -9,9 +9,9 @@ tensor-parallel groups (:mod:`.generation`), waking and sleeping it around both
 (:mod:`.sleep`), and sending a LoRA adapter alone (:mod:`.adapter_sync`). Each part is
 an object given only what it uses (the world, the backend, the engine's slot, the parts
 it calls); :class:`EngineLink` builds them, sets the engine up, and offers the engine
-calls as its own methods. A strategy holds one as ``strategy.engine_link``, and
-upstream's names on the strategy (``gather_and_generate``, ``update_engine_weights``,
-...) delegate to it from
+calls as its own methods. A strategy holds one as ``strategy.engine_link``; the
+strategy's engine calls (``update_engine_weights``, ...) delegate to it, and upstream's
+calls of other shapes (``gather_and_generate``, ``setup_inference_engine``) from
 :mod:`lightrft.strategy.upstream_names`, where upstream's call shapes are converted.
 """
 

@@ -1,6 +1,6 @@
 """What the engine link's modules share: the engine-side modules (imported on first use,
-with the error naming the extra), the capability lookups, and :class:`EngineHost`, the
-link's state and what it reads of the strategy."""
+with the error naming the extra), the capability lookups, and :class:`EngineSlot`, the
+engine and its tensor-parallel group that the link's parts share."""
 
 from __future__ import annotations
 

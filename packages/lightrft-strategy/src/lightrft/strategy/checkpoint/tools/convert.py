@@ -4,7 +4,8 @@
 
 The source is read in one process (:mod:`.offline`): full weights, and the optimizer's
 state by parameter name. The target is written as that backend's own checkpoint in our
-layout (:mod:`.layout`), with the source's scheduler, loader, step-counter, RNG and
+layout (:mod:`lightrft.strategy.checkpoint.layout`), with the source's scheduler,
+loader, step-counter, RNG and
 client state copied as they are:
 
 - ``fsdp2``: a ``torch.distributed.checkpoint`` directory of full tensors, written in

@@ -9,7 +9,8 @@ writes safetensors and ``config.json`` into a staging directory, reads every ten
 and compares it with its source, and only then renames the staging directory to the
 output. A LoRA checkpoint (its metadata records the adapter's peft config) exports the
 adapter in peft's format, or with ``merge_lora`` the merged model. The tokenizer's files
-(:mod:`.tokenizer`: the checkpoint's own, or ``tokenizer``'s) go into the same staging
+(:mod:`lightrft.strategy.checkpoint.tokenizer`: the checkpoint's own, or
+``tokenizer``'s) go into the same staging
 directory, so a failed export leaves no output.
 """
 
