@@ -18,6 +18,9 @@ from lightrft.strategy.backend import Backend
 from lightrft.strategy.base import StrategyBase
 from lightrft.strategy.checkpoint import manager
 from lightrft.strategy.engine_link import EngineLink
+from lightrft.strategy.engine_link.generation import Generation
+from lightrft.strategy.engine_link.sleep import Sleep
+from lightrft.strategy.engine_link.weight_sync import WeightSync
 from lightrft.strategy.upstream_names import UpstreamAttributes, UpstreamEngineCalls
 from lightrft.strategy.world import World
 from lightrft.testing import FakeStrategy
@@ -50,6 +53,16 @@ TRAINING_API = {
 UPSTREAM_ENGINE_CALLS = {
     "setup_inference_engine", "gather_and_generate", "inference_engine", "engine_mp_group",
 }  # fmt: skip
+#: The engine link's parts, by attribute.
+PARTS = {"generation": Generation, "sleep": Sleep, "weight_sync": WeightSync}
+#: The strategy's engine calls of one shape (upstream's and ours): the part each calls.
+STRATEGY_ENGINE_CALLS = {
+    "update_engine_weights": "weight_sync.update_engine_weights",
+    "verify_engine_weights": "weight_sync.verify_engine_weights",
+    "engine_generate_local": "generation.generate_local",
+    "maybe_sleep_inference_engine": "sleep.maybe_sleep",
+    "wakeup_inference_engine": "sleep.wake_up",
+}
 #: Hooks that lived on the strategy before it held a backend.
 FORMER_HOOKS = (
     "_prepare_train", "_prepare_train_model", "_prepare_eval", "_update_ema",
@@ -75,16 +88,16 @@ def test_upstream_names_are_delegates_apart_from_the_training_api() -> None:
     # every delegate calls a member of the engine link of the same name, or these
     canonical = {
         "setup_inference_engine": ("build", "attach"),
-        "gather_and_generate": ("generate",),
+        "gather_and_generate": ("generation.generate",),
         "engine_mp_group": ("engine_group",),
     }
     link = {n for n in dir(EngineLink) if not n.startswith("_")} | {"inference_engine"}
+    parts = {f"{part}.{n}" for part, cls in PARTS.items() for n in dir(cls) if n[0] != "_"}
     for name in UPSTREAM_ENGINE_CALLS:
-        assert set(canonical.get(name, (name,))) <= link, name
-    # the engine calls of one shape are the strategy's own, each the link's of that name
-    for name in ("update_engine_weights", "verify_engine_weights", "engine_generate_local",
-                 "maybe_sleep_inference_engine", "wakeup_inference_engine"):  # fmt: skip
-        assert name in vars(StrategyBase) and name in link, name
+        assert set(canonical.get(name, (name,))) <= link | parts, name
+    # the engine calls of one shape are the strategy's own, each a part's
+    for name, call in STRATEGY_ENGINE_CALLS.items():
+        assert name in vars(StrategyBase) and call in parts, name
 
 
 @pytest.mark.parametrize("hook", FORMER_HOOKS)

@@ -770,9 +770,10 @@ class StrategyBase(UpstreamAttributes, UpstreamEngineCalls):
         skip_unchanged: bool = False,
     ) -> dict[str, Any]:
         """Send ``model``'s full weights to the engine (with ``skip_unchanged``, nothing
-        when the engine holds them already); see :meth:`EngineLink.update_engine_weights`.
+        when the engine holds them already); see
+        :meth:`~lightrft.strategy.engine_link.weight_sync.WeightSync.update_engine_weights`.
         Collective."""
-        return self.engine_link.update_engine_weights(
+        return self.engine_link.weight_sync.update_engine_weights(
             model, bucket_bytes=bucket_bytes, name_map=name_map, dtype=dtype, verify=verify,
             skip_unchanged=skip_unchanged,
         )  # fmt: skip
@@ -785,21 +786,21 @@ class StrategyBase(UpstreamAttributes, UpstreamEngineCalls):
         max_new_tokens: int = 8,
         tolerance: float | None = None,
     ) -> dict[str, Any]:
-        """Check that the engine computes with ``model``'s weights; see
-        :meth:`EngineLink.verify_engine_weights`. Collective."""
-        return self.engine_link.verify_engine_weights(
+        """Check that the engine computes with ``model``'s weights (collective); see
+        :meth:`~lightrft.strategy.engine_link.weight_sync.WeightSync.verify_engine_weights`."""
+        return self.engine_link.weight_sync.verify_engine_weights(
             model, probe=probe, max_new_tokens=max_new_tokens, tolerance=tolerance
         )
 
     def maybe_sleep_inference_engine(self) -> bool:
         """Put the engine to sleep when ``enable_engine_sleep`` is set; returns whether
         it slept."""
-        return self.engine_link.maybe_sleep_inference_engine()
+        return self.engine_link.sleep.maybe_sleep()
 
     def wakeup_inference_engine(self, tags: Sequence[str] | None = None) -> None:
         """Wake the engine (``tags``: ``"weights"``, ``"kv_cache"``; None: both) when
         ``enable_engine_sleep`` is set."""
-        self.engine_link.wakeup_inference_engine(tags)
+        self.engine_link.sleep.wake_up(tags)
 
     def engine_generate_local(
         self,
@@ -809,7 +810,7 @@ class StrategyBase(UpstreamAttributes, UpstreamEngineCalls):
     ) -> list[GenerationOutput]:
         """Generate on this rank's engine alone, without gathering: exactly one of
         ``prompt_token_ids`` and ``multi_modal_inputs``."""
-        return self.engine_link.engine_generate_local(
+        return self.engine_link.generation.generate_local(
             sampling_params, prompt_token_ids, multi_modal_inputs
         )
 

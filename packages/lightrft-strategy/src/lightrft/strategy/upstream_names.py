@@ -143,8 +143,9 @@ class UpstreamEngineCalls:
         **more_media: Any,
     ) -> list[GenerationOutput]:
         """Generate for this rank's prompts across the engine's tensor-parallel group
-        (:meth:`EngineLink.generate`: gathered, checked on every rank, generated once,
-        each rank's own outputs back). Collective within the group.
+        (:meth:`~lightrft.strategy.engine_link.generation.Generation.generate`:
+        gathered, checked on every rank, generated once, each rank's own outputs back).
+        Collective within the group.
 
         Our form: ``gather_and_generate(prompts, sampling)``. Upstream's form:
         ``gather_and_generate(sampling_params, all_prompt_token_ids=...)``, the sampling
@@ -187,7 +188,7 @@ class UpstreamEngineCalls:
             or (prompts is not None and not _looks_like_prompts(prompts))
         )
         if not upstream:
-            return self.engine_link.generate(
+            return self.engine_link.generation.generate(
                 prompts or [], sampling, sleep_after=bool(sleep_engine)
             )
         sampling_params = prompts
@@ -204,8 +205,8 @@ class UpstreamEngineCalls:
             _more_media(more_media),
         )  # fmt: skip
         if refused is None:  # upstream wakes the engine whole, whoever put it to sleep
-            self.engine_link.wakeup_inference_engine()
-        return self.engine_link.generate(
+            self.engine_link.sleep.wake_up()
+        return self.engine_link.generation.generate(
             inputs, sampling_params, sleep_after=sleep_engine is not False, refused=refused
         )
 

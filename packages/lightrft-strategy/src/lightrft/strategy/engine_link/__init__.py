@@ -8,16 +8,15 @@ the engine (:mod:`.weight_sync`), splitting generation across the engine's
 tensor-parallel groups (:mod:`.generation`), waking and sleeping it around both
 (:mod:`.sleep`), and sending a LoRA adapter alone (:mod:`.adapter_sync`). Each part is
 an object given only what it uses (the world, the backend, the engine's slot, the parts
-it calls); :class:`EngineLink` builds them, sets the engine up, and offers the engine
-calls as its own methods. A strategy holds one as ``strategy.engine_link``; the
-strategy's engine calls (``update_engine_weights``, ...) delegate to it, and upstream's
-calls of other shapes (``gather_and_generate``, ``setup_inference_engine``) from
+it calls); :class:`EngineLink` builds them and sets the engine up. A strategy holds one
+as ``strategy.engine_link``; the strategy's engine calls (``update_engine_weights``,
+...) call its parts, and upstream's calls of other shapes (``gather_and_generate``,
+``setup_inference_engine``) do so from
 :mod:`lightrft.strategy.upstream_names`, where upstream's call shapes are converted.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
@@ -36,10 +35,7 @@ from lightrft.strategy.engine_link.sleep import Sleep
 from lightrft.strategy.engine_link.weight_sync import DEFAULT_BUCKET_BYTES, WeightSync
 
 if TYPE_CHECKING:
-    import torch
-
     from lightrft.config import StrategyConfig
-    from lightrft.engines.protocol import GenerationOutput
     from lightrft.strategy.backend import Backend
     from lightrft.strategy.world import World
 
@@ -88,64 +84,6 @@ class EngineLink:
     def inference_engine(self, engine: Any) -> None:
         self.slot.engine = engine
 
-    # -- the engine calls: each part's, here by name ---------------------------------------
-    def update_engine_weights(
-        self,
-        model: nn.Module,
-        *,
-        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-        name_map: Callable[[str], str | None] | None = None,
-        dtype: torch.dtype | None = None,
-        verify: bool | None = None,
-        skip_unchanged: bool = False,
-    ) -> dict[str, Any]:
-        """:meth:`.weight_sync.WeightSync.update_engine_weights`."""
-        return self.weight_sync.update_engine_weights(
-            model, bucket_bytes=bucket_bytes, name_map=name_map, dtype=dtype, verify=verify,
-            skip_unchanged=skip_unchanged,
-        )  # fmt: skip
-
-    def verify_engine_weights(
-        self,
-        model: nn.Module,
-        *,
-        probe: Sequence[int] | None = None,
-        max_new_tokens: int = 8,
-        tolerance: float | None = None,
-    ) -> dict[str, Any]:
-        """:meth:`.weight_sync.WeightSync.verify_engine_weights`."""
-        return self.weight_sync.verify_engine_weights(
-            model, probe=probe, max_new_tokens=max_new_tokens, tolerance=tolerance
-        )
-
-    def generate(
-        self,
-        prompts: Sequence[Any],
-        sampling: Any,
-        *,
-        sleep_after: bool = False,
-        refused: Exception | None = None,
-    ) -> list[GenerationOutput]:
-        """:meth:`.generation.Generation.generate`."""
-        return self.generation.generate(prompts, sampling, sleep_after=sleep_after, refused=refused)
-
-    def engine_generate_local(
-        self,
-        sampling_params: Any,
-        prompt_token_ids: Sequence[Sequence[int]] | None = None,
-        multi_modal_inputs: Sequence[Mapping[str, Any]] | None = None,
-    ) -> list[GenerationOutput]:
-        """:meth:`.generation.Generation.generate_local`."""
-        return self.generation.generate_local(sampling_params, prompt_token_ids, multi_modal_inputs)
-
-    def maybe_sleep_inference_engine(self) -> bool:
-        """:meth:`.sleep.Sleep.maybe_sleep`."""
-        return self.sleep.maybe_sleep()
-
-    def wakeup_inference_engine(self, tags: Sequence[str] | None = None) -> None:
-        """:meth:`.sleep.Sleep.wake_up`."""
-        self.sleep.wake_up(tags)
-
     # -- setup -----------------------------------------------------------------------------
 
     def attach(self, engine: Any, actor: nn.Module | None = None, *, built: bool = False) -> Any:
@@ -181,9 +119,9 @@ class EngineLink:
         self.sleep.forget()
         self.weight_sync.forget()
         if actor is not None:
-            self.update_engine_weights(actor)
+            self.weight_sync.update_engine_weights(actor)
         if built:
-            self.maybe_sleep_inference_engine()
+            self.sleep.maybe_sleep()
         return engine
 
     def build(
