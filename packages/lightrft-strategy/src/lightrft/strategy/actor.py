@@ -57,6 +57,6 @@ def training_module(model: nn.Module) -> nn.Module:
 
 def unwrap_model(model: nn.Module) -> nn.Module:
     """The user's module inside any wrapper (``.module`` chains); for upstream's actor
-    wrapper, the Hugging Face model in its ``.model``, as upstream DeepSpeed's
-    ``_unwrap_model``."""
+    wrapper, the Hugging Face model in its ``.model``, as upstream's DeepSpeed strategy
+    ``unwrap_model`` does."""
     return _unwrapped(training_module(model))

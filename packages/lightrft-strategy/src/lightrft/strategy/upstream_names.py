@@ -8,8 +8,10 @@
   ours (``setup_inference_engine``, ``gather_and_generate``) and its aliases
   (``inference_engine``, ``engine_mp_group``), each converted here, once, into one call
   of the strategy's engine link (:class:`lightrft.strategy.engine_link.EngineLink`).
-  The engine calls upstream and we share one shape of (``update_engine_weights``,
-  ``maybe_sleep_inference_engine``, ...) are plain methods of ``StrategyBase``.
+  The engine calls whose upstream call shape ours accepts as it is
+  (``update_engine_weights(actor)``, ``maybe_sleep_inference_engine()``,
+  ``wakeup_inference_engine()``, ``engine_generate_local(...)``) and our
+  ``verify_engine_weights`` are plain methods of ``StrategyBase``.
 
 Where one name takes two shapes (``gather_and_generate(prompts, sampling)`` and
 upstream's ``gather_and_generate(sampling_params, all_prompt_token_ids=...)``;
