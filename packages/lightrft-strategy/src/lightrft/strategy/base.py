@@ -150,22 +150,6 @@ class StrategyBase(UpstreamAttributes, UpstreamEngineCalls):
         self.world.device = torch.device(value)
 
     @property
-    def _ready(self) -> bool:
-        return self.world.ready
-
-    @_ready.setter
-    def _ready(self, value: bool) -> None:
-        self.world.ready = value
-
-    @property
-    def _closed(self) -> bool:
-        return self.world.closed
-
-    @_closed.setter
-    def _closed(self, value: bool) -> None:
-        self.world.closed = value
-
-    @property
     def accumulated_gradient(self) -> int:
         """Micro-batches per optimizer step: ``train_batch_size / (micro_train_batch_size
         * dp)``, with ``dp = world_size / sp_size`` data-parallel replicas (the ranks of a
@@ -181,7 +165,7 @@ class StrategyBase(UpstreamAttributes, UpstreamEngineCalls):
     @property
     def is_ready(self) -> bool:
         """Whether :meth:`setup_distributed` has run (and :meth:`close` has not)."""
-        return self._ready
+        return self.world.ready
 
     def _require_setup(self, what: str) -> None:
         """Raise :class:`NotSetUpError` naming ``what`` when setup has not run."""
@@ -200,7 +184,7 @@ class StrategyBase(UpstreamAttributes, UpstreamEngineCalls):
         rank comes from the launcher (``LOCAL_RANK``, or SLURM's ``SLURM_LOCALID``).
         """
         del num_gpu_per_node
-        if self._ready:
+        if self.world.ready:
             logger.debug("%s strategy is already set up; nothing to do", self.backend_name)
             return
         launch = distributed.LaunchEnv.from_environ()
@@ -228,11 +212,11 @@ class StrategyBase(UpstreamAttributes, UpstreamEngineCalls):
         # the loader gives a group's ranks the same items: nothing to gather
         self.sp_data_processor = sequence_parallel.SPDataProcessor(replicated=True)
         self.set_seed(self.config.seed)
-        self._ready, self._closed = True, False
+        self.world.ready, self.world.closed = True, False
         try:
             self.backend.after_setup()
         except BaseException:
-            self._ready = False
+            self.world.ready = False
             raise
         logger.debug(
             "%s strategy ready: rank %d/%d on %s, %d micro-batches per step",
@@ -281,12 +265,12 @@ class StrategyBase(UpstreamAttributes, UpstreamEngineCalls):
             if dist.is_initialized():
                 self.backend.destroy_process_group()
             distributed.forget_group()
-        if self._ready:
+        if self.world.ready:
             sequence_parallel.set_sequence_parallel_group(None)
         self._owns_process_group = False
-        if self._ready:
-            self._closed = True
-        self._ready = False
+        if self.world.ready:
+            self.world.closed = True
+        self.world.ready = False
 
     def __enter__(self) -> StrategyBase:
         return self
