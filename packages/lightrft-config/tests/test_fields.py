@@ -73,6 +73,8 @@ NEW_FIELDS: dict[str, object] = {
     "min_lr_ratio": 0.1,
     "deepspeed_config": None,
     "lora_sync": "merged",
+    "max_tokens_per_gpu": None,
+    "loss_agg_mode": "token-mean",
 }
 
 #: Argparse names of upstream's examples/gsm8k_geo3k/train_colocate.py (not in its
@@ -82,6 +84,7 @@ UPSTREAM_SCRIPT_FIELDS: dict[str, object] = {
     "lora_alpha": 16,
     "lora_dropout": 0.0,
     "target_modules": ["all-linear"],  # upstream's string "all-linear": a list of one
+    "packing_samples": False,  # store_true, from lightrft/utils/cli_args.py
 }
 
 
@@ -203,3 +206,16 @@ def test_precision_and_the_bf16_switch_agree(
     config = StrategyConfig(**kwargs)
     assert config.resolved_precision == precision
     assert config.bf16 is bf16
+
+
+def test_a_token_budget_without_packing_is_refused_naming_the_fix() -> None:
+    with pytest.raises(ConfigError) as info:
+        StrategyConfig(max_tokens_per_gpu=4096)
+    text = str(info.value)
+    assert "max_tokens_per_gpu=4096" in text and "packing_samples=True" in text
+    config = StrategyConfig(max_tokens_per_gpu=4096, packing_samples=True)
+    assert config.max_tokens_per_gpu == 4096
+    with pytest.raises(ConfigError, match="max_tokens_per_gpu"):
+        StrategyConfig(max_tokens_per_gpu=0, packing_samples=True)
+    with pytest.raises(ConfigError, match="loss_agg_mode"):
+        StrategyConfig(loss_agg_mode="seq-mean")  # type: ignore[arg-type]

@@ -38,7 +38,8 @@ TRAINING_API = {
     "prepare_model", "prepare_models_and_optimizers", "prepare_reward_model",
     "prepare_reward_models", "unwrap_model", "init_model_context", "step_state",
     # steps, offload, memory
-    "backward", "optimizer_step", "maybe_offload_optimizer", "maybe_load_optimizer",
+    "backward", "optimizer_step", "plan_micro_batches", "maybe_offload_optimizer",
+    "maybe_load_optimizer",
     "offload_model", "reload_model", "report_memory", "sync_and_clear_cache",
     # weights and checkpoints
     "full_state_dict", "save_model", "load_model", "moving_average", "save_ckpt", "load_ckpt",

@@ -1,4 +1,4 @@
-# size: one pydantic model: its 64 fields (upstream's names where its config.py has them, 43
+# size: one pydantic model: its 67 fields (upstream's names where its config.py has them, 43
 #   at 49e62cb), their descriptions and the validators that join them, read together
 """`StrategyConfig`: the settings of a LightRFT training strategy, typed and checked.
 
@@ -26,6 +26,8 @@ Which fields are read, and where (modules of ``lightrft.strategy`` unless named)
 * ``base`` with ``sequence_parallel`` and ``ulysses``: sp_size (the groups, the
   sequence split, the data-parallel sampler).
 * ``base`` (``save_ckpt``, for the checkpoint manager): max_ckpt_num, max_ckpt_mem.
+* ``base`` with ``micro_batches`` (``plan_micro_batches``): packing_samples,
+  max_tokens_per_gpu, loss_agg_mode, sp_size.
 * ``lora`` (``apply_lora``): lora_rank, lora_alpha, lora_dropout, target_modules;
   ``engine_link`` and ``build_engine``: lora_sync (with lora_rank, target_modules).
 * ``deepspeed`` (``strategy``, ``ds_config``): zero_stage, precision/bf16, max_norm,
@@ -305,6 +307,32 @@ class StrategyConfig(BaseModel):
     device: Literal["auto", "cpu", "cuda"] = Field(
         "auto", description="(new) Device: auto picks cuda when available, else cpu."
     )
+    # -- micro-batches (issue 36) -----------------------------------------------------
+    packing_samples: bool = Field(
+        False,
+        description="Pack several samples into one row, each with its own positions "
+        "(upstream's --packing_samples): read by training code, and by "
+        "strategy.plan_micro_batches, which packs under max_tokens_per_gpu.",
+    )
+    max_tokens_per_gpu: Int | None = Field(
+        None,
+        gt=0,
+        description="(new) Token budget of one micro-batch on one rank. "
+        "strategy.plan_micro_batches splits each step's samples into as few packed "
+        "micro-batches under it as it can, the same number on every data-parallel rank, "
+        "and the step's gradient accumulation follows them; a sample longer than the "
+        "budget runs alone in its own micro-batch, with a warning. None keeps fixed "
+        "micro-batches of micro_train_batch_size samples. Needs packing_samples.",
+        json_schema_extra={"accepted": "null or an integer >= 1"},
+    )
+    loss_agg_mode: Literal["token-mean", "seq-mean-token-mean"] = Field(
+        "token-mean",
+        description="(new) How a planned step's loss is normalised (verl's names): "
+        "'token-mean' is the mean over every loss token of the step on every rank; "
+        "'seq-mean-token-mean' is each sample's mean over its tokens, then the mean over "
+        "the step's samples on every rank. Either way a step's gradient does not depend "
+        "on how its samples were split into micro-batches.",
+    )
     dist_timeout_s: Float = Field(
         1800.0,
         gt=0,
@@ -522,6 +550,16 @@ class StrategyConfig(BaseModel):
                     "adapter",
                     "needs a LoRA actor, and lora_rank=0",
                     "set lora_rank >= 1, or leave lora_sync at merged",
+                )
+            )
+        if self.max_tokens_per_gpu is not None and not self.packing_samples:
+            problems.append(
+                _joined(
+                    "max_tokens_per_gpu",
+                    self.max_tokens_per_gpu,
+                    "needs packing_samples=True (a token budget packs samples into rows)",
+                    "set packing_samples=True, or leave max_tokens_per_gpu unset for fixed "
+                    "micro-batches of micro_train_batch_size samples",
                 )
             )
         if self.resolved_backend == "deepspeed":

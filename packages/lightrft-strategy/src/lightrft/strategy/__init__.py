@@ -24,6 +24,7 @@ if TYPE_CHECKING:  # the names below are imported on first use (see __getattr__)
     )
     from lightrft.strategy.construction import NotSetUpError
     from lightrft.strategy.engine_link import is_engine
+    from lightrft.strategy.micro_batches import PlanError, StepPlan
     from lightrft.strategy.registry import (
         UnknownBackendError,
         available_backends,
@@ -45,6 +46,8 @@ _LAZY = {
     "IncompleteCheckpointError": "lightrft.strategy.checkpoint",
     "NotSetUpError": "lightrft.strategy.construction",
     "CollectiveError": "lightrft.strategy.roll_call",
+    "PlanError": "lightrft.strategy.micro_batches",
+    "StepPlan": "lightrft.strategy.micro_batches",
     "UnknownBackendError": "lightrft.strategy.registry",
     "available_backends": "lightrft.strategy.registry",
     "get_backend": "lightrft.strategy.registry",
@@ -98,6 +101,8 @@ __all__ = [
     "ForeignCheckpointError",
     "IncompleteCheckpointError",
     "NotSetUpError",
+    "PlanError",
+    "StepPlan",
     "StrategyBase",
     "StrategyConfig",
     "UnknownBackendError",

@@ -105,13 +105,13 @@ class Backend(ABC):
 
     # -- steps ---------------------------------------------------------------------------
     def backward(self, loss: torch.Tensor, model: nn.Module, optimizer: Any, **kwargs: Any) -> None:
-        """Backpropagate ``loss / accumulated_gradient`` (``model`` is the training
-        module, not upstream's actor wrapper)."""
+        """Backpropagate ``loss / accumulation`` (``model`` is the training module, not
+        upstream's actor wrapper; the accumulation is the planned step's micro-batches
+        while a plan runs, else ``accumulated_gradient``)."""
         del optimizer
-        accumulation = self.world.accumulated_gradient
         state = self.world.step_state(model)
-        self.before_backward(model, is_last_micro_step=(state.micro_steps + 1) % accumulation == 0)
-        (loss / accumulation).backward(**kwargs)  # type: ignore[no-untyped-call]
+        self.before_backward(model, is_last_micro_step=self.world.closes_accumulation(state))
+        (loss / self.world.accumulation).backward(**kwargs)  # type: ignore[no-untyped-call]
 
     def before_backward(  # noqa: B027 a hook with nothing to do by default
         self, model: nn.Module, is_last_micro_step: bool
@@ -132,9 +132,12 @@ class Backend(ABC):
         whether the optimizer stepped."""
         del kwargs
         state = self.world.step_state(model)
+        closes = self.world.closes_accumulation(state)
         state.micro_steps += 1
-        if state.micro_steps % self.world.accumulated_gradient:
+        state.accumulated += 1
+        if not closes:
             return False
+        state.accumulated = 0
         params = [p for group in optimizer.param_groups for p in group["params"]]
         norm = clip_and_check(params, self.config.max_norm)
         state.last_grad_norm = norm

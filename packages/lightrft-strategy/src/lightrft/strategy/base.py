@@ -55,6 +55,7 @@ from lightrft.strategy.construction import (
 )
 from lightrft.strategy.data import ResumableDataLoader, build_dataloader
 from lightrft.strategy.engine_link import DEFAULT_BUCKET_BYTES, EngineLink
+from lightrft.strategy.micro_batches import PlanError, StepPlan, make_plan
 from lightrft.strategy.optim import build_scheduler, parameter_groups
 from lightrft.strategy.stepping import StepState
 from lightrft.strategy.upstream_names import UpstreamAttributes, UpstreamEngineCalls
@@ -552,9 +553,35 @@ class StrategyBase(UpstreamAttributes, UpstreamEngineCalls):
     # -- training steps ------------------------------------------------------------------
     def backward(self, loss: torch.Tensor, model: nn.Module, optimizer: Any, **kwargs: Any) -> None:
         """Backpropagate ``loss / accumulated_gradient`` (gradients reduced over the
-        data-parallel ranks on the last micro-step of an accumulation)."""
+        data-parallel ranks on the last micro-step of an accumulation); while a
+        :meth:`plan_micro_batches` plan runs, ``loss`` / its number of micro-batches."""
         with self._collective("backward"):
             self.backend.backward(loss, training_module(model), optimizer, **kwargs)
+
+    def plan_micro_batches(
+        self, lengths: Sequence[int], loss_tokens: Sequence[int] | None = None
+    ) -> StepPlan:
+        """Split this step's samples (their token ``lengths`` on this rank; every rank
+        calls this together) into micro-batches: packed under ``max_tokens_per_gpu``
+        with ``packing_samples``, else fixed ones of ``micro_train_batch_size``; the
+        same number on every rank. Until the plan ends (``with plan:``, or
+        ``plan.finish()``), :meth:`backward` and :meth:`optimizer_step` accumulate over
+        exactly its micro-batches. ``loss_tokens`` (the completion's tokens per sample;
+        default: every token) sets :meth:`StepPlan.loss`'s normalisation. See
+        :mod:`lightrft.strategy.micro_batches`."""
+        with self._collective("plan_micro_batches"):
+            previous = self.world.plan
+            if previous is not None:
+                previous.finish()
+            unfinished = self.world.step_states.unfinished()
+            if unfinished:
+                raise PlanError(
+                    f"plan_micro_batches: {unfinished} micro-step(s) run since the last "
+                    "optimizer step; plan a step after the accumulation under way ends"
+                )
+            plan = make_plan(self.world, lengths, loss_tokens)
+            self.world.plan = plan
+            return plan
 
     def optimizer_step(
         self,

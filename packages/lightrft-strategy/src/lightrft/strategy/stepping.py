@@ -3,7 +3,9 @@
 Per model (an actor and a critic never share state):
 
 * ``backward`` scales the loss by ``1 / accumulation_steps``;
-* ``optimizer_step`` counts micro-steps and acts on every ``accumulation_steps``-th:
+* ``optimizer_step`` counts micro-steps and acts on every ``accumulation_steps``-th
+  (``accumulation_steps`` is the config's, or the number of micro-batches of the step
+  a :class:`~lightrft.strategy.micro_batches.StepPlan` planned):
   it computes the global gradient norm over the model's parameters, skips the step
   (zeroing gradients, not advancing the scheduler) when that norm is not finite,
   clips to ``max_norm`` when ``max_norm > 0``, steps the optimizer and the scheduler,
@@ -28,6 +30,8 @@ class StepState:
     """Counters of one model's optimisation."""
 
     micro_steps: int = 0
+    #: Micro-steps since the last optimizer step (the accumulation under way).
+    accumulated: int = 0
     global_steps: int = 0
     skipped_steps: int = 0
     last_grad_norm: float | None = None
@@ -48,6 +52,10 @@ class StepStates:
         if state is None:
             state = self._states[model] = StepState()
         return state
+
+    def unfinished(self) -> int:
+        """Micro-steps run, over every model, since each one's last optimizer step."""
+        return sum(state.accumulated for state in self._states.values())
 
 
 def record_skip(state: StepState, norm: float, name: str) -> None:

@@ -22,6 +22,7 @@ from lightrft.strategy.stepping import StepState, StepStates
 
 if TYPE_CHECKING:
     from lightrft.config import StrategyConfig
+    from lightrft.strategy.micro_batches import StepPlan
 
 __all__ = ["World"]
 
@@ -36,7 +37,9 @@ class World:
             fake strategy plays every group alone).
         launch: the launcher's view of this process (rank, local rank, sizes).
         device: the device models train on.
-        accumulated_gradient: micro-batches per optimizer step.
+        accumulated_gradient: micro-batches per optimizer step (the config's).
+        plan: the step planned by ``plan_micro_batches`` while it runs; its number of
+            micro-batches is then the accumulation (:attr:`accumulation`).
         step_states: each model's step counters, keyed by the unwrapped module.
         ready, closed: whether the strategy is set up, and whether it was closed since.
         alone: world size 1 and rank 0 whatever the environment or a process group
@@ -51,6 +54,7 @@ class World:
         self.launch = distributed.LaunchEnv(0, 0, 1, 1, "127.0.0.1", 0, "single")
         self.device = torch.device("cpu")
         self.accumulated_gradient = 1
+        self.plan: StepPlan | None = None
         self.ready = False
         self.closed = False
         self.alone = False
@@ -65,6 +69,18 @@ class World:
         self.accumulated_gradient = self.sizes.gradient_accumulation_steps(
             launch.world_size if size is None else size
         )
+
+    @property
+    def accumulation(self) -> int:
+        """Micro-steps per optimizer step now: the planned step's micro-batches while a
+        plan runs, else ``accumulated_gradient``."""
+        plan = self.plan
+        return plan.num_micro_batches if plan is not None else self.accumulated_gradient
+
+    def closes_accumulation(self, state: StepState) -> bool:
+        """Whether the next micro-step of the model counted by ``state`` is the last of
+        its accumulation (its gradients are then reduced and the optimizer steps)."""
+        return state.accumulated + 1 >= self.accumulation
 
     @property
     def world_size(self) -> int:
@@ -118,6 +134,15 @@ class World:
         """:func:`lightrft.strategy.collectives.all_reduce`, naming a lost rank."""
         with roll_call.guard("all_reduce"):
             return collectives.all_reduce(data, op)
+
+    def all_gather_object(self, data: Any) -> list[Any]:
+        """Every rank's picklable ``data``, in rank order (``[data]`` in a world of one)."""
+        if self.alone or not dist.is_initialized() or dist.get_world_size() == 1:
+            return [data]
+        gathered: list[Any] = [None] * dist.get_world_size()
+        with roll_call.guard("all_gather"):
+            dist.all_gather_object(gathered, data)
+        return gathered
 
     def step_state(self, model: nn.Module) -> StepState:
         """``model``'s step counters (micro/global/skipped steps, weight changes)."""

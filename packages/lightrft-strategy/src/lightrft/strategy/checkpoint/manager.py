@@ -217,6 +217,7 @@ class CheckpointManager:
         step_state = subject.steps
         step_state.global_steps = int(steps["global_steps"])
         step_state.micro_steps = int(steps["micro_steps"])
+        step_state.accumulated = step_state.micro_steps % world.accumulated_gradient
         step_state.weight_changes += 1
         world.barrier()
         if rank == 0:

@@ -329,17 +329,23 @@ class DeepSpeedBackend(Backend):
             )
 
     # -- training steps ------------------------------------------------------------------
-    def _sync_micro_steps(self, engine: DeepSpeedEngine) -> None:
-        # DeepSpeed decides the accumulation boundary from its own micro-step count;
-        # ours is the one saved in checkpoints, so DeepSpeed follows it.
-        engine.micro_steps = self.world.step_state(engine).micro_steps
+    def _sync_micro_steps(self, engine: DeepSpeedEngine) -> bool:
+        # DeepSpeed would decide the accumulation boundary from its own micro-step count
+        # and its config's fixed accumulation; ours is the one saved in checkpoints and
+        # follows a planned step's micro-batches, so DeepSpeed is told the boundary.
+        state = self.world.step_state(engine)
+        engine.micro_steps = state.micro_steps
+        closes = self.world.closes_accumulation(state)
+        engine.set_gradient_accumulation_boundary(closes)
+        return closes
 
     def backward(self, loss: torch.Tensor, model: nn.Module, optimizer: Any, **kwargs: Any) -> None:
-        """``engine.backward``: scales by ``1 / accumulated_gradient`` and reduces
-        gradients on the last micro-step (every micro-step at ZeRO-2/3)."""
+        """``engine.backward`` of ``loss / accumulation`` (the strategy scales, not
+        DeepSpeed, whose accumulation is fixed in its config); gradients are reduced on
+        the last micro-step (every micro-step at ZeRO-2/3)."""
         engine = self._engine(model, "backward")
         self._sync_micro_steps(engine)
-        engine.backward(loss, **kwargs)
+        engine.backward(loss / self.world.accumulation, scale_wrt_gas=False, **kwargs)
 
     def _strategy_clips(self, engine: DeepSpeedEngine) -> bool:
         # DeepSpeed at stage 0 in fp32 neither reports the norm nor skips non-finite steps
@@ -374,8 +380,7 @@ class DeepSpeedBackend(Backend):
         """
         engine = self._engine(model, "optimizer_step")
         state = self.world.step_state(engine)
-        self._sync_micro_steps(engine)
-        boundary = bool(engine.is_gradient_accumulation_boundary())
+        boundary = self._sync_micro_steps(engine)
         norm: float | None = None
         own = boundary and self._strategy_clips(engine)
         if own:
@@ -391,8 +396,10 @@ class DeepSpeedBackend(Backend):
             if own and "overflow" in vars(engine.optimizer):
                 del engine.optimizer.overflow
         state.micro_steps += 1
+        state.accumulated += 1
         if not boundary:
             return False
+        state.accumulated = 0
         if norm is None:
             reported = engine.get_global_grad_norm()
             norm = float(reported) if reported is not None else float("nan")

@@ -1,0 +1,209 @@
+"""Micro-batches as the model takes them: samples packed into one row, or padded rows.
+
+A sample is a prompt and a completion (token ids); its **loss tokens** are the
+completion's, each predicted from the position before it. :func:`build_batch` lays a
+micro-batch's samples out:
+
+* **packed** (``packing_samples``): one row ``[1, total]``, each sample with its own
+  position ids restarting at 0, no attention mask and no KV cache. That is the packed
+  format of transformers (``masking_utils.find_packed_sequence_indices``): with SDPA or eager
+  attention each token attends causally within its own sample only, with
+  flash-attention the samples run as variable-length sequences, and the strategy's
+  Ulysses sequence parallelism builds the same per-sample mask over the whole row.
+  Upstream LightRFT's packed actor forward passes the same (``reset_position_ids``,
+  ``attention_mask=None``);
+* **padded**: one right-padded row per sample with its attention mask.
+
+:func:`token_logprobs` runs the model and returns the log-probability of every loss
+token, flat, in sample order; with a Hugging Face causal LM it asks for the logits of
+those positions only (``logits_to_keep``), so the language-model head does not run over
+the prompts or the padding. :meth:`TrainBatch.split` and :meth:`TrainBatch.to_rows`
+give per-token values back per sample, or in the trainer's ``[samples, width]`` shape.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightrft.strategy.actor import unwrap_model
+
+__all__ = ["Sample", "TrainBatch", "build_batch", "token_logprobs"]
+
+#: A prompt's token ids and its completion's.
+Sample = tuple[Sequence[int], Sequence[int]]
+
+
+@dataclass
+class TrainBatch:
+    """One micro-batch: the model's inputs and where its loss tokens are.
+
+    Attributes:
+        input_ids, position_ids: ``[rows, width]``; one row when packed.
+        attention_mask: ``[rows, width]`` for padded rows; None when packed.
+        samples: the indices (into the step's samples) of the samples in it.
+        rows, columns: ``[loss tokens]``: the position predicting each loss token.
+        targets: ``[loss tokens]``: the loss tokens' ids.
+        token_sample: ``[loss tokens]``: which of ``samples`` (0-based) each belongs to.
+        sample_tokens: ``[samples]``: loss tokens per sample.
+        packed: whether the samples share one row.
+    """
+
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    attention_mask: torch.Tensor | None
+    samples: list[int]
+    rows: torch.Tensor
+    columns: torch.Tensor
+    targets: torch.Tensor
+    token_sample: torch.Tensor
+    sample_tokens: torch.Tensor
+    packed: bool
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens the forward computes (padding included)."""
+        return int(self.input_ids.numel())
+
+    def to(self, device: torch.device | str) -> TrainBatch:
+        """The same batch on ``device``."""
+        mask = self.attention_mask
+        return dataclasses.replace(
+            self,
+            input_ids=self.input_ids.to(device),
+            position_ids=self.position_ids.to(device),
+            attention_mask=None if mask is None else mask.to(device),
+            rows=self.rows.to(device),
+            columns=self.columns.to(device),
+            targets=self.targets.to(device),
+            token_sample=self.token_sample.to(device),
+            sample_tokens=self.sample_tokens.to(device),
+        )
+
+    def split(self, values: torch.Tensor) -> list[torch.Tensor]:
+        """Per-loss-token ``values`` (flat, this batch's order) as one tensor per sample."""
+        return list(torch.split(values.reshape(-1), self.sample_tokens.tolist()))
+
+    def to_rows(self, values: torch.Tensor, width: int | None = None) -> torch.Tensor:
+        """Per-loss-token ``values`` as ``[samples, width]``, each sample's left-aligned
+        and zero after (``width``: the longest completion when None)."""
+        counts = self.sample_tokens.tolist()
+        width = max(counts, default=0) if width is None else width
+        out = values.new_zeros((len(counts), width))
+        for i, part in enumerate(self.split(values)):
+            out[i, : part.numel()] = part[:width]
+        return out
+
+
+def build_batch(
+    samples: Sequence[Sample], indices: Sequence[int], packed: bool, pad_id: int = 0
+) -> TrainBatch:
+    """The micro-batch of ``samples[i]`` for ``i`` in ``indices``, packed into one row
+    or padded one row each. No indices give an empty micro-batch: one ``pad_id`` token
+    and no loss tokens (it still runs the forward and backward every rank must run)."""
+    chosen = [(list(samples[i][0]), list(samples[i][1])) for i in indices]
+    rows: list[int] = []
+    columns: list[int] = []
+    targets: list[int] = []
+    owner: list[int] = []
+    counts: list[int] = []
+    if packed or not chosen:
+        ids: list[int] = []
+        positions: list[int] = []
+        for k, (prompt, completion) in enumerate(chosen):
+            start = len(ids)
+            sequence = prompt + completion
+            ids += sequence
+            positions += range(len(sequence))
+            first = start + len(prompt) - 1  # the position predicting completion[0]
+            loss = range(max(first, start), start + len(sequence) - 1)
+            _record(loss, 0, ids, rows, columns, targets, owner, k)
+            counts.append(len(loss))
+        if not ids:
+            ids, positions = [pad_id], [0]
+        input_ids = torch.tensor([ids], dtype=torch.long)
+        position_ids = torch.tensor([positions], dtype=torch.long)
+        mask = None
+    else:
+        width = max(len(p) + len(c) for p, c in chosen)
+        input_ids = torch.full((len(chosen), width), pad_id, dtype=torch.long)
+        mask = torch.zeros((len(chosen), width), dtype=torch.long)
+        for k, (prompt, completion) in enumerate(chosen):
+            sequence = prompt + completion
+            input_ids[k, : len(sequence)] = torch.tensor(sequence, dtype=torch.long)
+            mask[k, : len(sequence)] = 1
+            loss = range(max(len(prompt) - 1, 0), len(sequence) - 1)
+            _record(loss, k, input_ids[k].tolist(), rows, columns, targets, owner, k)
+            counts.append(len(loss))
+        position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
+    return TrainBatch(
+        input_ids=input_ids,
+        position_ids=position_ids,
+        attention_mask=mask,
+        samples=list(indices),
+        rows=torch.tensor(rows, dtype=torch.long),
+        columns=torch.tensor(columns, dtype=torch.long),
+        targets=torch.tensor(targets, dtype=torch.long),
+        token_sample=torch.tensor(owner, dtype=torch.long),
+        sample_tokens=torch.tensor(counts, dtype=torch.long),
+        packed=packed,
+    )
+
+
+def _record(
+    loss: range,
+    row: int,
+    ids: list[int],
+    rows: list[int],
+    columns: list[int],
+    targets: list[int],
+    owner: list[int],
+    sample: int,
+) -> None:
+    for column in loss:
+        rows.append(row)
+        columns.append(column)
+        targets.append(ids[column + 1])
+        owner.append(sample)
+
+
+def _takes_logits_to_keep(model: nn.Module) -> bool:
+    try:
+        return "logits_to_keep" in inspect.signature(unwrap_model(model).forward).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def token_logprobs(
+    model: nn.Module, batch: TrainBatch, temperature: float = 1.0, entropy: bool = False
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The log-probability of each of ``batch``'s loss tokens at ``temperature``
+    (``[loss tokens]``, float32), and with ``entropy`` the entropy of each predicted
+    distribution (detached). ``model`` is a causal LM (prepared or not) returning
+    ``.logits``; one that takes ``logits_to_keep`` computes the logits of the positions
+    predicting loss tokens only."""
+    # no KV cache: transformers keeps packed samples apart only without one
+    kwargs: dict[str, Any] = {
+        "input_ids": batch.input_ids,
+        "position_ids": batch.position_ids,
+        "use_cache": False,
+    }
+    if batch.attention_mask is not None:
+        kwargs["attention_mask"] = batch.attention_mask
+    rows, columns = batch.rows, batch.columns
+    if _takes_logits_to_keep(model):
+        kept, where = torch.unique(columns, sorted=True, return_inverse=True)
+        kwargs["logits_to_keep"] = kept
+        logits = model(**kwargs).logits[rows, where]
+    else:
+        logits = model(**kwargs).logits[rows, columns]
+    logp = (logits.float() / temperature).log_softmax(-1)
+    picked = logp.gather(-1, batch.targets.unsqueeze(-1)).squeeze(-1)
+    ent = -(logp.exp() * logp).sum(-1).detach() if entropy else None
+    return picked, ent
