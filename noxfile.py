@@ -45,6 +45,10 @@ BENCH_QUICK = {
         "--lengths", "32", "--rounds", "1", "--layers", "1", "--hidden", "64", "--heads", "4",
         "--kv-heads", "2", "--vocab", "64",
     ],
+    "dynamic_batch.py": [
+        "--samples", "4", "--mean-len", "8", "--prompt-len", "4", "--steps", "1",
+        "--layers", "1", "--hidden", "64", "--heads", "4", "--kv-heads", "2", "--vocab", "256",
+    ],
 }  # fmt: skip
 # the vLLM ones, run by engines(vllm) after its tests (head_dim 64: vLLM's CPU kernels)
 BENCH_QUICK_VLLM = {
@@ -468,3 +472,4 @@ def bench(session: nox.Session) -> None:
     session.run("python", "benchmarks/fsdp2_overhead.py")  # re-launches under torchrun
     session.run("python", "benchmarks/deepspeed_overhead.py")  # likewise
     session.run("python", "benchmarks/sequence_parallel.py")  # likewise
+    session.run("python", "benchmarks/dynamic_batch.py")  # likewise

@@ -15,8 +15,12 @@ on. Each GRPO step:
    within each problem's group (GRPO);
 4. the trainer recomputes the tokens' log-probabilities; their gap to the engine's is
    logged (``lightrft.strategy.rollout_correction``) and, with ``--tis-cap`` > 0, the
-   policy loss is weighted by the truncated importance ratio trainer/engine; a KL term
-   to the frozen reference model is added (``strategy.backward`` / ``optimizer_step``).
+   policy loss is weighted by the truncated importance ratio trainer/engine; with
+   ``--kl-coef`` > 0 a KL term to the frozen reference model is added. The step's
+   samples go through the trainer in the micro-batches ``strategy.plan_micro_batches``
+   plans: packed rows under ``max_tokens_per_gpu`` tokens (``packing_samples``, the
+   default here), the loss a token mean over the whole step
+   (``strategy.backward`` / ``optimizer_step``, one optimizer step per RL step).
 
 Only the public API is used, so the same file runs on every strategy and engine the
 configuration selects (``--backend fsdp2|deepspeed|fake``, ``--zero_stage``,
@@ -47,7 +51,8 @@ import torch
 
 from lightrft.config import ConfigError, StrategyConfig
 from lightrft.engines import SamplingParams
-from lightrft.strategy import get_strategy, ulysses
+from lightrft.strategy import StepPlan, get_strategy, ulysses
+from lightrft.strategy.packing import TrainBatch, build_batch, token_logprobs
 from lightrft.strategy.rollout_correction import logprob_mismatch, truncated_importance_weights
 from lightrft.strategy.run_log import RunLog, plot_metrics, read_metrics
 
@@ -90,51 +95,7 @@ PANELS = {
 LOG_PANELS = ("rollout KL, engine to trainer (nats/token)", "rollout log-prob gap (nats)")
 
 
-class Batch:
-    """Right-padded sequences (prompt then completion), with the mask of each row's
-    completion tokens as predicted from the position before them."""
-
-    def __init__(self, rows: list[tuple[list[int], list[int]]], pad: int) -> None:
-        width = max(len(p) + len(c) for p, c in rows)
-        self.ids = torch.full((len(rows), width), pad, dtype=torch.long)
-        self.attention = torch.zeros((len(rows), width), dtype=torch.long)
-        self.mask = torch.zeros((len(rows), width - 1))  # over targets ids[:, 1:]
-        for i, (prompt, completion) in enumerate(rows):
-            n = len(prompt) + len(completion)
-            self.ids[i, :n] = torch.tensor(prompt + completion)
-            self.attention[i, :n] = 1
-            self.mask[i, len(prompt) - 1 : n - 1] = 1
-
-    def rows(self, start: int, stop: int, device: torch.device) -> Batch:
-        part = Batch.__new__(Batch)
-        part.ids, part.attention, part.mask = (
-            t[start:stop].to(device) for t in (self.ids, self.attention, self.mask)
-        )
-        return part
-
-    def spread(self, per_row: list[list[float]]) -> torch.Tensor:
-        """Per-completion-token values (one list per row) laid out like ``mask``."""
-        out = torch.zeros_like(self.mask)
-        for i, values in enumerate(per_row):
-            columns = self.mask[i].nonzero().flatten()[: len(values)]
-            out[i, columns] = torch.tensor(values[: len(columns)], dtype=out.dtype)
-        return out
-
-
-def token_logprobs(
-    model: Any, batch: Batch, temperature: float = 1.0, entropy: bool = False
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The model's log-probabilities of every next token at ``temperature`` (batch,
-    width - 1), and with ``entropy`` the entropy of each predicted distribution."""
-    logits = model(input_ids=batch.ids, attention_mask=batch.attention).logits[:, :-1].float()
-    logp = (logits / temperature).log_softmax(-1)
-    picked = logp.gather(-1, batch.ids[:, 1:].unsqueeze(-1)).squeeze(-1)
-    ent = -(logp.exp() * logp).sum(-1).detach() if entropy else None
-    return picked, ent
-
-
-def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    return (values * mask).sum() / mask.sum().clamp(min=1)
+Rows = list[tuple[list[int], list[int]]]  # (prompt, completion) token ids per sample
 
 
 def group_advantages(rewards: torch.Tensor, group: int) -> torch.Tensor:
@@ -259,17 +220,24 @@ class Run:
         seed = self.config.seed * 100_003 + step * 1_009 + self.replica + salt * 7_919
         return torch.Generator().manual_seed(seed)
 
-    def train_rows(self, batch: Batch, loss_of: Any) -> tuple[list[dict[str, float]], float]:
-        """Backward and step over micro-batches; ``loss_of(part, start)`` gives a loss and
-        its numbers. Returns the numbers of each micro-batch and the seconds taken."""
+    def train_rows(self, rows: Rows, loss_of: Any) -> tuple[list[dict[str, float]], float]:
+        """Backward and step over the step's micro-batches as the strategy plans them
+        (packed under ``max_tokens_per_gpu`` with ``packing_samples``, else fixed);
+        ``loss_of(batch, plan)`` gives a micro-batch's loss and its numbers. Returns the
+        numbers of each micro-batch that held samples, and the seconds taken."""
         t0 = time.perf_counter()
-        micro, parts = self.config.micro_train_batch_size, []
-        for start in range(0, len(batch.ids), micro):
-            part = batch.rows(start, start + micro, self.strategy.device)
-            loss, numbers = loss_of(part, start)
-            self.strategy.backward(loss, self.actor, self.optim)
-            self.strategy.optimizer_step(self.optim, self.actor, self.sched)
-            parts.append(numbers)
+        plan = self.strategy.plan_micro_batches(
+            [len(p) + len(c) for p, c in rows], [len(c) for _, c in rows]
+        )
+        parts = []
+        with plan:
+            for indices in plan.micro_batches:
+                batch = build_batch(rows, indices, plan.packed, self.pad)
+                loss, numbers = loss_of(batch.to(self.strategy.device), plan)
+                self.strategy.backward(loss, self.actor, self.optim)
+                self.strategy.optimizer_step(self.optim, self.actor, self.sched)
+                if indices:  # (an empty micro-batch only keeps the ranks in step)
+                    parts.append(numbers)
         return parts, time.perf_counter() - t0
 
     def sft_step(self, step: int) -> dict[str, Any]:
@@ -283,14 +251,12 @@ class Run:
             )
             for p, d in zip(problems, draws, strict=True)
         ]
-        batch = Batch(rows, self.pad)
 
-        def loss_of(part: Batch, start: int) -> tuple[torch.Tensor, dict[str, float]]:
-            logp, _ = token_logprobs(self.actor, part)
-            loss = -masked_mean(logp, part.mask)
-            return loss, {"sft_loss": float(loss.detach())}
+        def loss_of(batch: TrainBatch, plan: StepPlan) -> tuple[torch.Tensor, dict[str, float]]:
+            logp, _ = token_logprobs(self.actor, batch)
+            return plan.loss(-logp, batch), {"sft_loss": float(-logp.detach().mean())}
 
-        parts, train_s = self.train_rows(batch, loss_of)
+        parts, train_s = self.train_rows(rows, loss_of)
         return {"phase": "sft", "sft_loss": self._mean(parts, "sft_loss"), "train_s": train_s}
 
     def evaluate(self) -> tuple[float, list[dict[str, Any]]]:
@@ -357,39 +323,42 @@ class Run:
             problems, completions[::group], rewards[::group].tolist(), opts.show_samples
         )
         advantages = group_advantages(rewards, group)
-        batch = Batch(
-            [(prompts[i // group], list(o.output_token_ids)) for i, o in enumerate(outputs)],
-            self.pad,
-        )
+        rows = [(prompts[i // group], list(o.output_token_ids)) for i, o in enumerate(outputs)]
         # an engine that returns no log-probs (the fake engine's output rule) gets no
         # mismatch metrics and no correction
         engine_logp = (
-            batch.spread([list(o.logprobs) for o in outputs])  # type: ignore[arg-type]
-            if all(o.logprobs is not None for o in outputs)
+            [torch.tensor(list(o.logprobs), dtype=torch.float32) for o in outputs]  # type: ignore[arg-type]
+            if all(
+                o.logprobs is not None and len(o.logprobs) == len(o.output_token_ids)
+                for o in outputs
+            )
             else None
         )
 
-        def loss_of(part: Batch, start: int) -> tuple[torch.Tensor, dict[str, float]]:
-            stop = start + len(part.ids)
-            logp, entropy = token_logprobs(self.actor, part, opts.temperature, entropy=True)
-            with torch.no_grad():
-                ref_logp, _ = token_logprobs(self.reference, part, opts.temperature)
-            adv = advantages[start:stop].to(logp.device).unsqueeze(-1)
+        def loss_of(batch: TrainBatch, plan: StepPlan) -> tuple[torch.Tensor, dict[str, float]]:
+            logp, entropy = token_logprobs(self.actor, batch, opts.temperature, entropy=True)
+            adv = batch.per_token(advantages.to(logp.device))
             weight: torch.Tensor | float = 1.0
             gap: dict[str, float] = {}
             if engine_logp is not None:
-                engine = engine_logp[start:stop].to(logp.device)
-                gap = logprob_mismatch(engine, logp, part.mask)
+                engine = torch.cat([engine_logp[i] for i in batch.samples]).to(logp.device)
+                gap = logprob_mismatch(engine, logp)
                 if opts.tis_cap > 0:  # truncated importance sampling: trainer/engine, capped
-                    weight = truncated_importance_weights(logp, engine, opts.tis_cap, part.mask)
-            log_ratio = ref_logp - logp
-            kl = masked_mean(log_ratio.exp() - log_ratio - 1, part.mask)  # k3, >= 0
+                    weight = truncated_importance_weights(logp, engine, opts.tis_cap)
             # on-policy: the gradient of the clipped ratio at 1 is the gradient of logp
-            loss = -masked_mean(weight * adv * logp, part.mask) + opts.kl_coef * kl
-            return loss, {
-                "loss": float(loss.detach()),
-                "kl": float(kl.detach()),
-                "entropy": float(masked_mean(entropy, part.mask)),  # type: ignore[arg-type]
+            token_loss = -weight * adv * logp
+            numbers: dict[str, float] = {}
+            if opts.kl_coef:  # the reference's forward only when its KL term counts
+                with torch.no_grad():
+                    ref_logp, _ = token_logprobs(self.reference, batch, opts.temperature)
+                log_ratio = ref_logp - logp
+                kl = log_ratio.exp() - log_ratio - 1  # k3, >= 0
+                token_loss = token_loss + opts.kl_coef * kl
+                numbers["kl"] = float(kl.detach().mean())
+            return plan.loss(token_loss, batch), {
+                "loss": float(token_loss.detach().mean()),
+                "entropy": float(entropy.mean()),  # type: ignore[union-attr]
+                **numbers,
                 **{k: float(v) for k, v in gap.items() if k != "tokens"},
             }
 
@@ -397,7 +366,7 @@ class Run:
         # wrong) has no policy gradient: it is skipped, not stepped, since Adam's momentum
         # (and any weight decay) would move the weights on a zero gradient
         skip = float(self.strategy.all_reduce(advantages.abs().max(), op="max")) == 0.0
-        parts, train_s = ([], 0.0) if skip else self.train_rows(batch, loss_of)
+        parts, train_s = ([], 0.0) if skip else self.train_rows(rows, loss_of)
         generated = sum(len(o.output_token_ids) for o in outputs)
         row = {"phase": "rl", "reward": self._reduce(rewards.mean()), "skipped": int(skip)}
         for key in ("loss", "kl", "entropy", "logprob_abs_diff", "rollout_kl"):
@@ -434,7 +403,7 @@ class Run:
         return float(self.strategy.all_reduce(torch.as_tensor(float(value))))
 
     def _mean(self, parts: list[dict[str, float]], key: str) -> float:
-        return self._reduce(sum(p[key] for p in parts) / len(parts))
+        return self._reduce(sum(p[key] for p in parts) / max(len(parts), 1))
 
 
 def _load_model(path: str | Path) -> Any:

@@ -118,7 +118,7 @@ def train_case(cfg_changes: dict[str, Any], modes: list[str], steps: int = 3) ->
                     logp, _ = token_logprobs(actor, batch)
                     for sample, values in zip(batch.samples, batch.split(logp), strict=True):
                         logps[sample] = values.detach().clone()
-                    adv = advantages[batch.samples].to(logp.device)[batch.token_sample]
+                    adv = batch.per_token(advantages.to(logp.device))
                     loss = plan.loss(-adv * logp, batch)
                     step_loss += float(loss.detach()) / plan.num_micro_batches
                     strategy.backward(loss, actor, optim)

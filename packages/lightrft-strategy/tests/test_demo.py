@@ -171,7 +171,9 @@ def test_rl_at_sp_size_2_trains_as_at_sp_size_1(warm_model: Path, tmp_path: Path
     runs = {}
     for sp in (1, 2):
         out = tmp_path / f"sp{sp}"
-        (node,) = run_torchrun(GRPO, *_rl(warm_model, "--steps", "3", "--sp_size", str(sp)),
+        # --kl-coef: the reference model's forward runs (the demo skips it at 0)
+        (node,) = run_torchrun(GRPO, *_rl(warm_model, "--steps", "3", "--sp_size", str(sp),
+                                          "--kl-coef", "0.001"),
                                "--out", str(out), nproc_per_node=sp, timeout=500)  # fmt: skip
         runs[sp] = _metrics(out)[1:]
         split = "Qwen2Model's sequences split over 2 ranks, attention 'sdpa' on 1/2 of the heads"

@@ -61,7 +61,7 @@ def test_a_plan_sets_the_step_accumulation_and_the_loss_scale(
     optim = torch.optim.SGD(model.parameters(), lr=0.1)
     with caplog.at_level(logging.WARNING):
         plan = strategy.plan_micro_batches([10, 6, 8, 20], loss_tokens=[4, 2, 3, 5])
-    assert "sample 3 has 20 tokens, over max_tokens_per_gpu=16" in caplog.text
+    assert "1 sample(s) over max_tokens_per_gpu=16 (the longest, sample 3, has 20" in caplog.text
     assert plan.num_micro_batches == 3 and [3] in plan.micro_batches
     assert (plan.total_tokens, plan.total_samples, plan.ranks) == (14, 4, 1)
     stepped = []

@@ -264,16 +264,19 @@ def make_plan(world: World, lengths: Sequence[int], loss_tokens: Sequence[int] |
     every = world.all_gather_object(mine)
     rank = world.get_rank()
     splits = split_step([e[0] for e in every], budget, config.micro_train_batch_size)
-    if budget is not None:
-        for i, n in enumerate(lengths):
-            if n > budget:
-                logger.warning(
-                    "sample %d has %d tokens, over max_tokens_per_gpu=%d: it runs alone in "
-                    "its own micro-batch (raise max_tokens_per_gpu if that does not fit)",
-                    i,
-                    n,
-                    budget,
-                )
+    over = [(i, n) for i, n in enumerate(lengths) if budget is not None and n > budget]
+    if over:
+        longest = max(over, key=lambda pair: pair[1])
+        logger.warning(
+            "rank %d: %d sample(s) over max_tokens_per_gpu=%s (the longest, sample %d, has %d "
+            "tokens) run alone in their own micro-batches; raise max_tokens_per_gpu if one "
+            "does not fit",
+            rank,
+            len(over),
+            budget,
+            longest[0],
+            longest[1],
+        )
     return StepPlan(
         micro_batches=splits[rank],
         lengths=lengths,

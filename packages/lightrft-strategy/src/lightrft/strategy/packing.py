@@ -86,6 +86,12 @@ class TrainBatch:
             sample_tokens=self.sample_tokens.to(device),
         )
 
+    def per_token(self, per_sample: torch.Tensor) -> torch.Tensor:
+        """A value per sample of the step (``[step samples]``, e.g. advantages),
+        repeated for each of this batch's loss tokens (``[loss tokens]``)."""
+        index = torch.tensor(self.samples, dtype=torch.long, device=per_sample.device)
+        return per_sample[index][self.token_sample.to(per_sample.device)]
+
     def split(self, values: torch.Tensor) -> list[torch.Tensor]:
         """Per-loss-token ``values`` (flat, this batch's order) as one tensor per sample."""
         return list(torch.split(values.reshape(-1), self.sample_tokens.tolist()))
