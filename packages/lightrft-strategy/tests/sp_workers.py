@@ -328,3 +328,28 @@ def checkpoint_case(
     out["final"] = strategy.full_state_dict(actor)
     strategy.close()
     return out if rank == 0 else {}
+
+
+def rollouts_case(cfg_changes: dict[str, Any]) -> dict[str, Any]:
+    """At ``sp_size`` 2 with a fake engine on each rank: the group's ranks generate the
+    same prompts (then different ones). Reports each rank's engine calls and prompts
+    generated, and the outputs it got."""
+    from lightrft.engines import SamplingParams
+    from lightrft.testing import FakeEngine
+
+    strategy = get_strategy(config(**cfg_changes))
+    engine = FakeEngine(vocab_size=16)
+    strategy.setup_inference_engine(engine)
+    rank = strategy.get_rank()
+    params = SamplingParams(max_new_tokens=3, n=2)
+    same = strategy.gather_and_generate([[1, 2], [3]], params)
+    record: dict[str, Any] = {
+        "same": [o.output_token_ids for o in same],
+        "same_calls": engine.generate_calls,
+        "same_prompts": list(engine.last_prompts or []) if engine.generate_calls else [],
+    }
+    own = strategy.gather_and_generate([[rank + 4]], params)
+    record["own"] = [o.output_token_ids for o in own]
+    record["own_calls"] = engine.generate_calls - record["same_calls"]
+    strategy.close()
+    return record

@@ -145,3 +145,29 @@ def test_zero0_bf16_cuda_checkpoint_is_read_from_the_fused_wrapper(tmp_path: Pat
         assert torch.equal(contents.weights[name], tensors["fp32"]), name
         for key in ("exp_avg", "exp_avg_sq"):
             assert torch.equal(contents.optimizer.state[name][key], tensors[key]), (name, key)
+
+
+def test_packed_rows_with_flash_attention_varlen_keep_samples_apart() -> None:
+    """flash-attention's variable-length kernel on a packed row (transformers turns the
+    restarting position ids into cu_seqlens): each sample's log-probabilities are its
+    padded (SDPA) ones, and changing one sample moves no other."""
+    _gpus()
+    pytest.importorskip("flash_attn", reason="flash-attn is not installed on this machine")
+    from lightrft.strategy.packing import build_batch, token_logprobs
+    from lightrft.testing.models import tiny_hf_causal_lm
+
+    samples = [([3, 4, 5], [6, 7, 8, 9, 10]), ([11, 12, 13, 14], list(range(20, 40))),
+               ([15, 16], [17]), ([40, 41, 42, 43, 44, 45], list(range(50, 59)))]  # fmt: skip
+    torch.manual_seed(0)
+    flash = tiny_hf_causal_lm(attn_implementation="flash_attention_2").to("cuda", torch.bfloat16)
+    sdpa = tiny_hf_causal_lm(attn_implementation="sdpa").to("cuda", torch.bfloat16)
+    sdpa.load_state_dict(flash.state_dict())
+    packed = build_batch(samples, range(4), packed=True).to("cuda")
+    got, _ = token_logprobs(flash, packed)
+    want, _ = token_logprobs(sdpa, build_batch(samples, range(4), packed=False).to("cuda"))
+    torch.testing.assert_close(got, want, atol=3e-2, rtol=0)  # bf16 kernels differ
+    changed = [([99, 98, 97], [96, 95, 94, 93, 92]), *samples[1:]]
+    after, _ = token_logprobs(flash, build_batch(changed, range(4), packed=True).to("cuda"))
+    for i, (x, y) in enumerate(zip(packed.split(got), packed.split(after), strict=True)):
+        if i:
+            assert torch.equal(x, y), f"sample {i} saw sample 0's tokens"

@@ -13,6 +13,8 @@ import torch
 from lightrft.strategy.fsdp2 import FSDP2Strategy
 from lightrft.testing.launcher import run_distributed
 
+from .sp_workers import rollouts_case
+
 pytestmark = [pytest.mark.timeout(300)]
 
 
@@ -118,3 +120,16 @@ def test_a_group_of_a_destroyed_world_is_forgotten() -> None:
     strategy = FSDP2Strategy(device="cpu")
     assert strategy.sp_data_processor.sp_size == 1
     strategy.close()
+
+
+@pytest.mark.distributed
+def test_a_sequence_parallel_group_generates_its_rollouts_once() -> None:
+    """The ranks of a group hold the same prompts: the first generates, the other gets
+    the same outputs without calling its engine. Different prompts: each its own."""
+    ranks = run_distributed(rollouts_case, 2, {"sp_size": 2, "train_batch_size": 4},
+                            timeout=200)  # fmt: skip
+    assert [r["same_calls"] for r in ranks] == [1, 0]
+    assert ranks[0]["same_prompts"] == [[1, 2], [3]]
+    assert ranks[0]["same"] == ranks[1]["same"] and len(ranks[0]["same"]) == 4
+    assert [r["own_calls"] for r in ranks] == [1, 1]
+    assert ranks[0]["own"] != ranks[1]["own"]

@@ -1,17 +1,20 @@
 """Generation on the rollout engine, split over its tensor-parallel groups
 (``engine_tp_size`` consecutive ranks): prompts gathered to the group, checked against
 the engine's limits on every rank before any generates, outputs handed back per rank;
-upstream's multimodal inputs in the canonical form."""
+the same prompts of a sequence-parallel group generated once; upstream's multimodal
+inputs in the canonical form."""
 
 from __future__ import annotations
 
+import hashlib
+import pickle
 import re
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 
-from lightrft.strategy import roll_call
+from lightrft.strategy import roll_call, sequence_parallel
 from lightrft.strategy.engine_link.common import EngineSlot, limits, protocol_module
 from lightrft.strategy.engine_link.sleep import Sleep
 
@@ -53,7 +56,7 @@ class Generation:
             self.sleep.wake(None, blind=False)
         try:
             with roll_call.guard("generate"):
-                return self._gather_generate(list(prompts), sampling, refused=refused)
+                return self._once_per_sp_group(list(prompts), sampling, refused)
         finally:  # a refused prompt too: the trainer gets the memory back
             if sleep_after:
                 self.sleep.maybe_sleep()
@@ -74,6 +77,33 @@ class Generation:
         prompts = list(prompt_token_ids if prompt_token_ids is not None else multi_modal_inputs)  # type: ignore[arg-type]
         self._check_prompts(engine, prompts, sampling_params, [len(prompts)], 0)
         return list(engine.generate(prompts, sampling_params))
+
+    def _once_per_sp_group(
+        self, prompts: list[Any], sampling: Any, refused: Exception | None
+    ) -> list[GenerationOutput]:
+        """The ranks of a sequence-parallel group usually hold the same prompts
+        (upstream's ``SPDataProcessor.preprocess``, the demo's replicas): then the
+        group's first rank generates them once and the others get its outputs, instead
+        of the group generating the same rollouts ``sp_size`` times. Ranks of a group
+        that hold different prompts each generate their own."""
+        group = sequence_parallel.get_sequence_parallel_group()
+        if group is None or dist.get_world_size(group) == 1 or refused is not None:
+            return self._gather_generate(prompts, sampling, refused=refused)
+        try:
+            mine = hashlib.sha256(pickle.dumps((prompts, sampling))).hexdigest()
+        except Exception:  # unpicklable inputs: treated as this rank's own
+            mine = f"rank {self.world.get_rank()}"
+        keys: list[Any] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(keys, mine, group=group)
+        if len(set(keys)) > 1:
+            return self._gather_generate(prompts, sampling)
+        first = dist.get_global_rank(group, 0)
+        leader = self.world.get_rank() == first
+        # every rank still takes part in its engine group's gather (with no prompts)
+        outputs = self._gather_generate(prompts if leader else [], sampling)
+        holder: list[Any] = [outputs if leader else None]
+        dist.broadcast_object_list(holder, src=first, group=group)
+        return list(holder[0])
 
     def _check_prompts(
         self, engine: Any, prompts: list[Any], sampling: Any, counts: list[int], first: int
@@ -110,6 +140,8 @@ class Generation:
         if len(group_ranks) == 1:
             if refused is not None:
                 raise refused
+            if not prompts:
+                return []
             self._check_prompts(
                 engine, list(prompts), sampling, [len(prompts)], self.world.get_rank()
             )
