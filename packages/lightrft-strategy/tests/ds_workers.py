@@ -206,3 +206,25 @@ def mixed_precision_state_case(cfg: dict[str, Any], save_dir: str) -> dict[str, 
     rank = strategy.get_rank()
     strategy.close()
     return out if rank == 0 else None
+
+
+def from_pretrained_after_a_dropped_hf_config_case(model_dir: str) -> dict[str, Any]:
+    """ZeRO-3: other code makes an ``HfDeepSpeedConfig`` and drops it (upstream's
+    ``ActorLanguage`` does), which leaves transformers' weak reference dead; a
+    ``from_pretrained`` in the strategy's ``init_model_context`` must still load into
+    the partitions. Reports whether it did and the loaded weights' sum."""
+    import transformers
+    from transformers.integrations import HfDeepSpeedConfig, is_deepspeed_zero3_enabled
+
+    strategy = get_strategy(ds(3))
+    with strategy.init_model_context():
+        transformers.AutoModelForCausalLM.from_pretrained(model_dir)
+    HfDeepSpeedConfig(strategy.backend.train_config())  # made and dropped at once
+    with strategy.init_model_context():
+        enabled = is_deepspeed_zero3_enabled()
+        model = transformers.AutoModelForCausalLM.from_pretrained(model_dir)
+    partitioned = all(hasattr(p, "ds_id") for p in model.parameters())
+    full = strategy.full_state_dict(strategy.prepare_model(model))
+    strategy.close()
+    return {"enabled": enabled, "partitioned": partitioned,
+            "sum": float(sum(v.double().sum() for v in full.values()))}  # fmt: skip

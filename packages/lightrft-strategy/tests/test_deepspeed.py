@@ -298,3 +298,20 @@ def test_a_plain_process_trains_with_deepspeed(
     assert strategy.step_state(model).global_steps == 3
     strategy.close()
     os.environ.pop("LOCAL_RANK", None)  # set by the strategy for DeepSpeed; not ours to keep
+
+
+def test_zero3_from_pretrained_loads_into_partitions_after_another_hf_config(
+    tmp_path: Path,
+) -> None:
+    import transformers
+
+    from lightrft.testing.models import save_tiny_qwen2
+
+    model_dir = save_tiny_qwen2(tmp_path / "model")
+    (got,) = run_distributed(
+        ds_workers.from_pretrained_after_a_dropped_hf_config_case, 1, str(model_dir),
+        init_process_group=False,
+    )  # fmt: skip
+    assert got["enabled"] and got["partitioned"]
+    want = transformers.AutoModelForCausalLM.from_pretrained(model_dir).state_dict()
+    assert got["sum"] == pytest.approx(float(sum(v.double().sum() for v in want.values())))

@@ -123,7 +123,7 @@ class DeepSpeedBackend(Backend):
         super().__init__(world)
         self._engines: weakref.WeakSet[DeepSpeedEngine] = weakref.WeakSet()
         self._hf_ds_config: Any = None  # keeps transformers' ZeRO-3 switch alive
-        self._hf_zero3_tried = False
+        self._hf_zero3_failed = False
 
     # -- configs -------------------------------------------------------------------------
     def train_config(self) -> dict[str, Any]:
@@ -312,14 +312,17 @@ class DeepSpeedBackend(Backend):
 
     def _enable_hf_zero3(self, train_config: dict[str, Any]) -> None:
         """Tell transformers (when installed) that ZeRO-3 is on, so ``from_pretrained``
-        loads weights into the partitions; it stays on while this strategy lives."""
-        if self._hf_zero3_tried or not importlib.util.find_spec("transformers"):
+        loads weights into the partitions; it stays on while this strategy lives. Made
+        again on every entry: transformers keeps a weak reference to the last
+        ``HfDeepSpeedConfig`` made, and other code (upstream's ``ActorLanguage`` builds
+        one it drops at once) may have pointed it at a config that is gone."""
+        if self._hf_zero3_failed or not importlib.util.find_spec("transformers"):
             return
-        self._hf_zero3_tried = True
         try:
             integrations = importlib.import_module("transformers.integrations")
             self._hf_ds_config = integrations.HfDeepSpeedConfig(train_config)
         except (ImportError, importlib.metadata.PackageNotFoundError) as exc:
+            self._hf_zero3_failed = True
             if not self.world.is_rank_0():
                 return
             logger.warning(
