@@ -218,4 +218,4 @@ def test_a_token_budget_without_packing_is_refused_naming_the_fix() -> None:
     with pytest.raises(ConfigError, match="max_tokens_per_gpu"):
         StrategyConfig(max_tokens_per_gpu=0, packing_samples=True)
     with pytest.raises(ConfigError, match="loss_agg_mode"):
-        StrategyConfig(loss_agg_mode="seq-mean")  # type: ignore[arg-type]
+        StrategyConfig(loss_agg_mode="seq-mean")
