@@ -10,8 +10,12 @@ micro-steps. Both sides accumulate gradients over their micro-steps and all-redu
 (the data-parallel sync), interleaved over rounds, for each sequence length. Printed:
 
 * activation memory per rank, the peak over micro-steps: on CPU the bytes autograd
-  saves for backward during a forward (``saved_tensors_hooks``, each storage once), on
-  CUDA the peak allocated during a micro-step minus what was allocated before it;
+  saves for backward during a forward and the log-probabilities
+  (``saved_tensors_hooks``, each storage once), on CUDA the peak allocated during a
+  micro-step minus what was allocated before it. Both sides compute the loss with
+  ``lightrft.strategy.packing.token_logprobs`` (every token after the first is a loss
+  token): at sp_size 2 each rank runs the language-model head on its own slice of the
+  sequence and the per-token log-probabilities are gathered, not the hidden states;
 * tokens/s: the global batch's tokens over the slower rank's seconds;
 * the share of our side's time spent in the all-to-all exchanges.
 
@@ -67,6 +71,8 @@ class _SavedBytes:
 def _step(model: Any, rows: list[torch.Tensor], device: str) -> tuple[float, int]:
     """Forward + backward of each row (one micro-step each), then the gradient
     all-reduce: (seconds of the slower rank, peak activation bytes of a micro-step)."""
+    from lightrft.strategy.packing import build_batch, token_logprobs
+
     model.zero_grad(set_to_none=True)
     dist.barrier()
     peak = 0
@@ -77,11 +83,12 @@ def _step(model: Any, rows: list[torch.Tensor], device: str) -> tuple[float, int
             torch.cuda.reset_peak_memory_stats()
             before = torch.cuda.memory_allocated()
         saved = _SavedBytes()
+        # every token after the first is a loss token; token_logprobs runs the LM head
+        # on those only (at sp_size 2: each rank on its slice, log-probs gathered)
+        batch = build_batch([(ids[0, :1].tolist(), ids[0, 1:].tolist())], [0], packed=True)
         with torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t):
-            logits = model(input_ids=ids, use_cache=False).logits
-        loss = torch.nn.functional.cross_entropy(
-            logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten()
-        )
+            logp, _ = token_logprobs(model, batch.to(ids.device))
+            loss = -logp.mean()
         loss.backward()
         if device == "cuda":
             torch.cuda.synchronize()

@@ -127,6 +127,12 @@ def test_fsdp2_packed_token_budget_step_equals_the_fixed_padded_step() -> None:
     assert_as_defined(ranks, "packed_seq_mean", "seq-mean-token-mean")
     assert_same_step(ranks, "packed")
     assert_same_step(ranks, "packed_sp2", ref="packed")
+    # at sp_size 2 each rank's LM head runs on the pair's loss tokens in its half of
+    # the sequence (not on its own rows' tokens, gathered whole): together once what
+    # the two heads see at sp_size 1, and rank 1's long samples shared with rank 0
+    sp1 = [sum(r["packed"]["lm_head_tokens"]) for r in ranks]
+    sp2 = [sum(r["packed_sp2"]["lm_head_tokens"]) for r in ranks]
+    assert sum(sp2) == sum(sp1) and max(sp2) < max(sp1), (sp1, sp2)
     assert_budget_kept(ranks)
 
 

@@ -291,15 +291,16 @@ class StrategyBase(UpstreamAttributes, UpstreamEngineCalls):
 
     # -- ranks and logging ---------------------------------------------------------------
     def get_rank(self) -> int:
-        return dist.get_rank() if dist.is_initialized() else self.launch.rank
+        """This process's rank (0 in a world of one, such as the fake strategy's, as
+        upstream's fake says)."""
+        return self.world.get_rank()
 
     def is_rank_0(self) -> bool:
-        return self.get_rank() == 0
+        return self.world.is_rank_0()
 
     def barrier(self) -> None:
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            with roll_call.guard("barrier"):
-                dist.barrier()
+        """Wait for every rank (nothing to wait for in a world of one)."""
+        self.world.barrier()
 
     def print(self, *msg: Any) -> None:
         """Log ``msg`` at INFO on rank 0 (logger ``lightrft.strategy.print``). When the

@@ -30,8 +30,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
+from lightrft.strategy import ulysses
 from lightrft.strategy.actor import unwrap_model
 
 __all__ = ["Sample", "TrainBatch", "build_batch", "token_logprobs"]
@@ -202,6 +204,9 @@ def token_logprobs(
     }
     if batch.attention_mask is not None:
         kwargs["attention_mask"] = batch.attention_mask
+    group = ulysses.group_of(model)
+    if group is not None and dist.get_world_size(group) > 1:
+        return _sequence_parallel_logprobs(model, batch, kwargs, group, temperature, entropy)
     rows, columns = batch.rows, batch.columns
     if _takes_logits_to_keep(model):
         kept, where = torch.unique(columns, sorted=True, return_inverse=True)
@@ -213,3 +218,44 @@ def token_logprobs(
     picked = logp.gather(-1, batch.targets.unsqueeze(-1)).squeeze(-1)
     ent = -(logp.exp() * logp).sum(-1).detach() if entropy else None
     return picked, ent
+
+
+def _sequence_parallel_logprobs(
+    model: nn.Module,
+    batch: TrainBatch,
+    kwargs: dict[str, Any],
+    group: Any,
+    temperature: float,
+    entropy: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Under Ulysses: each rank of the group runs the language-model head on its own
+    slice of the sequence at the group's loss positions, and the per-token
+    log-probabilities (not the hidden states) are gathered; each rank gets its own."""
+    mine = (batch.rows.tolist(), batch.columns.tolist(), batch.targets.tolist())
+    every: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(every, mine, group=group)
+    request = ulysses.LossTokens(
+        [(rows, columns) for rows, columns, _ in every], int(batch.input_ids.shape[0])
+    )
+    with ulysses.loss_tokens_only(request):
+        logits = model(**kwargs).logits[0]  # [owned, vocab]
+    assert request.owned is not None and request.mine is not None
+    if request.total == sum(len(t) for _, _, t in every):
+        targets = [t for _, _, chunk in every for t in chunk]
+    else:  # the ranks hold the same rows: their loss tokens once
+        targets = every[0][2]
+    device = logits.device
+    owned = request.owned.to(device)
+    picked_targets = torch.tensor(targets, dtype=torch.long, device=device)[owned]
+    logp = (logits.float() / temperature).log_softmax(-1)
+    picked = logp.gather(-1, picked_targets.unsqueeze(-1)).squeeze(-1)
+    full = picked.new_zeros(request.total).index_copy(0, owned, picked)
+    gathered = ulysses.gather_sum_back(full.unsqueeze(0), group).sum(0)
+    ent = None
+    if entropy:
+        spread = picked.new_zeros(request.total).index_copy(
+            0, owned, -(logp.exp() * logp).sum(-1).detach()
+        )
+        dist.all_reduce(spread, group=group)
+        ent = spread[request.mine.to(device)]
+    return gathered[request.mine.to(device)], ent
