@@ -52,7 +52,12 @@ import torch
 from lightrft.config import ConfigError, StrategyConfig
 from lightrft.engines import SamplingParams
 from lightrft.strategy import StepPlan, get_strategy, ulysses
-from lightrft.strategy.packing import TrainBatch, build_batch, token_logprobs
+from lightrft.strategy.packing import (
+    TrainBatch,
+    build_batch,
+    token_logprobs,
+    use_packed_attention,
+)
 from lightrft.strategy.rollout_correction import logprob_mismatch, truncated_importance_weights
 from lightrft.strategy.run_log import RunLog, plot_metrics, read_metrics
 
@@ -162,6 +167,9 @@ class Run:
         self.model_dir = model_dir
         self.pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         actor, reference = _load_model(model_dir), _load_model(model_dir)
+        if config.packing_samples and config.sp_size == 1:  # (Ulysses has its attention)
+            # packed rows sample by sample, not under one row-long mask
+            actor, reference = use_packed_attention(actor), use_packed_attention(reference)
         if config.lora_rank > 0:  # --lora_rank N: train a peft LoRA adapter, the base frozen
             from lightrft.strategy.lora import apply_lora
 

@@ -146,3 +146,29 @@ def test_deepspeed_packed_token_budget_step_equals_the_fixed_padded_step(stage: 
     assert_as_defined(ranks, "padded", "token-mean")
     assert_same_step(ranks, "packed")
     assert_budget_kept(ranks)
+
+
+def test_the_packed_attention_runs_each_sample_apart_with_the_same_results() -> None:
+    """use_packed_attention: SDPA sample by sample on a packed row (no T x T mask):
+    the padded log-probabilities and gradients, no leak; padded rows unchanged."""
+    from lightrft.strategy.packing import PACKED_ATTENTION, use_packed_attention
+
+    torch.manual_seed(0)
+    plain = tiny_hf_causal_lm(attn_implementation="sdpa")
+    packed_model = tiny_hf_causal_lm(attn_implementation="sdpa")
+    packed_model.load_state_dict(plain.state_dict())
+    use_packed_attention(packed_model)
+    assert packed_model.config._attn_implementation == PACKED_ATTENTION
+    packed, padded = (build_batch(SAMPLES, range(4), packed=p) for p in (True, False))
+    want, _ = token_logprobs(plain, padded)
+    got, _ = token_logprobs(packed_model, packed)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(token_logprobs(packed_model, padded)[0], want, atol=0, rtol=0)
+    want.sum().backward()
+    got.sum().backward()
+    for (name, a), b in zip(plain.named_parameters(), packed_model.parameters(), strict=True):
+        torch.testing.assert_close(b.grad, a.grad, atol=1e-5, rtol=1e-4, msg=name)
+    changed = [([99, 98, 97], [96, 95, 94, 93, 92]), *SAMPLES[1:]]
+    after, _ = token_logprobs(packed_model, build_batch(changed, range(4), packed=True))
+    for i, (x, y) in enumerate(zip(packed.split(got), packed.split(after), strict=True)):
+        assert i == 0 or torch.equal(x, y), f"sample {i} saw sample 0's tokens"

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -259,3 +260,62 @@ def _sequence_parallel_logprobs(
         dist.all_reduce(spread, group=group)
         ent = spread[request.mine.to(device)]
     return gathered[request.mine.to(device)], ent
+
+
+#: The name of the packed-row attention in transformers' ``AttentionInterface``.
+PACKED_ATTENTION = "lightrft_packed_sdpa"
+
+
+def packed_sdpa_attention(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """SDPA that runs a packed row sample by sample (each causal over itself), so the
+    attention of a row of ``n`` samples costs the sum of their squares, not the square
+    of the row; anything else (padded rows, a KV cache) goes to transformers' SDPA."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    positions = kwargs.get("position_ids")
+    if query.shape[0] != 1 or positions is None or query.shape[2] != key.shape[2]:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    flat = positions.reshape(-1)
+    starts = (torch.diff(flat) != 1).nonzero().flatten() + 1
+    if starts.numel() == 0:  # one sequence: plain causal
+        return sdpa_attention_forward(module, query, key, value, None, **kwargs)
+    bounds = [0, *starts.tolist(), int(flat.numel())]
+    scale = kwargs.get("scaling")
+    gqa = query.shape[1] != key.shape[1]
+    parts = [
+        torch.nn.functional.scaled_dot_product_attention(
+            query[:, :, a:b],
+            key[:, :, a:b],
+            value[:, :, a:b],
+            is_causal=True,
+            scale=scale,
+            enable_gqa=gqa,
+        )
+        for a, b in itertools.pairwise(bounds)
+    ]
+    return torch.cat(parts, dim=2).transpose(1, 2).contiguous(), None
+
+
+def use_packed_attention(model: nn.Module) -> nn.Module:
+    """Make a Hugging Face model that attends with SDPA run packed rows with
+    :func:`packed_sdpa_attention` (registered with transformers as
+    :data:`PACKED_ATTENTION`; masks are built as for SDPA). On CPU a packed row then
+    costs what its samples cost apart; flash-attention's variable-length kernel does the
+    same on CUDA. Returns ``model``; a model on another attention is left as it is."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+    AttentionInterface.register(PACKED_ATTENTION, packed_sdpa_attention)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(PACKED_ATTENTION, sdpa_mask)
+    for module in unwrap_model(model).modules():
+        config = getattr(module, "config", None)
+        if getattr(config, "_attn_implementation", None) == "sdpa":
+            config._attn_implementation = PACKED_ATTENTION  # type: ignore[union-attr]
+    return model
