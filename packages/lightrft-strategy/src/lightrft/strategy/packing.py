@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -274,9 +273,11 @@ def packed_sdpa_attention(
     attention_mask: torch.Tensor | None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    """SDPA that runs a packed row sample by sample (each causal over itself), so the
-    attention of a row of ``n`` samples costs the sum of their squares, not the square
-    of the row; anything else (padded rows, a KV cache) goes to transformers' SDPA."""
+    """SDPA for a packed row: its samples are laid out as a padded batch inside the
+    attention only and attend causally within themselves in one call, so the attention
+    of a row of ``n`` samples costs ``n`` times the longest one's square, not the square
+    of the row (the rest of the model stays packed); anything else (padded rows, a KV
+    cache) goes to transformers' SDPA."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     positions = kwargs.get("position_ids")
@@ -287,20 +288,26 @@ def packed_sdpa_attention(
     if starts.numel() == 0:  # one sequence: plain causal
         return sdpa_attention_forward(module, query, key, value, None, **kwargs)
     bounds = [0, *starts.tolist(), int(flat.numel())]
-    scale = kwargs.get("scaling")
-    gqa = query.shape[1] != key.shape[1]
-    parts = [
-        torch.nn.functional.scaled_dot_product_attention(
-            query[:, :, a:b],
-            key[:, :, a:b],
-            value[:, :, a:b],
-            is_causal=True,
-            scale=scale,
-            enable_gqa=gqa,
-        )
-        for a, b in itertools.pairwise(bounds)
-    ]
-    return torch.cat(parts, dim=2).transpose(1, 2).contiguous(), None
+    # the samples as a padded batch inside the attention only: one SDPA call, causal,
+    # each sample's own keys (the rest of the model stays packed, without padding)
+    begin = torch.tensor(bounds[:-1], device=query.device)
+    lengths = torch.tensor(bounds[1:], device=query.device) - begin
+    width = int(lengths.max())
+    offsets = torch.arange(width, device=query.device)
+    valid = offsets.unsqueeze(0) < lengths.unsqueeze(1)  # [samples, width]
+    index = (begin.unsqueeze(1) + offsets.unsqueeze(0)).clamp(max=int(flat.numel()) - 1)
+
+    def batched(tensor: torch.Tensor) -> torch.Tensor:  # [1, heads, T, d] -> [n, heads, w, d]
+        return tensor[0][:, index].transpose(0, 1)
+
+    causal = torch.ones(width, width, dtype=torch.bool, device=query.device).tril()
+    mask = (causal.unsqueeze(0) & valid.unsqueeze(1)).unsqueeze(1)  # [n, 1, w, w]
+    out = torch.nn.functional.scaled_dot_product_attention(
+        batched(query), batched(key), batched(value), attn_mask=mask,
+        scale=kwargs.get("scaling"), enable_gqa=query.shape[1] != key.shape[1],
+    )  # fmt: skip
+    # back to the row: [T, heads, d], then transformers' [1, T, heads, d]
+    return out.transpose(1, 2)[valid].unsqueeze(0), None
 
 
 def use_packed_attention(model: nn.Module) -> nn.Module:
