@@ -463,6 +463,29 @@ def bench_check(session: nox.Session) -> None:
     _bench_quick(session, BENCH_QUICK)
 
 
+#: The peer benchmarks/vs_trl.py measures the demo's RL step against.
+TRL = "trl==1.16.0"
+
+
+@nox.session(python=DEFAULT_PYTHON)
+def bench_trl(session: nox.Session) -> None:
+    """Not in the default run: the demo's GRPO step against TRL's GRPOTrainer on the same
+    job (benchmarks/vs_trl.py; a full run takes minutes). The demo's environment from
+    uv.lock, then TRL beside it with torch and transformers held at the locked versions;
+    flags after `--` go to the script (--steps, --warm-model, --quick...)."""
+    options, _ = demo_needs([])
+    sync(session, None, *options, bytecode=True)
+    pins = session.run_install(
+        "python", "-c",
+        "from importlib.metadata import version as v; "
+        "print(' '.join(f'{p}=={v(p)}' for p in ('torch', 'transformers')))",
+        silent=True,
+    )  # fmt: skip
+    if pins is not None:  # (None: --no-install on a reused environment, nothing ran)
+        session.install(TRL, *str(pins).split(), env={"UV_COMPILE_BYTECODE": "1"})
+    session.run("python", "benchmarks/vs_trl.py", *session.posargs)
+
+
 @nox.session(python=DEFAULT_PYTHON)
 def bench(session: nox.Session) -> None:
     """Benchmarks (not tests): print our figures beside the raw approach's, with ratios."""
