@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightrft.strategy import ulysses
+from lightrft.strategy import loss_tokens, ulysses
 from lightrft.strategy.actor import unwrap_model
 
 __all__ = ["Sample", "TrainBatch", "build_batch", "token_logprobs"]
@@ -234,10 +234,10 @@ def _sequence_parallel_logprobs(
     mine = (batch.rows.tolist(), batch.columns.tolist(), batch.targets.tolist())
     every: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(every, mine, group=group)
-    request = ulysses.LossTokens(
+    request = loss_tokens.LossTokens(
         [(rows, columns) for rows, columns, _ in every], int(batch.input_ids.shape[0])
     )
-    with ulysses.loss_tokens_only(request):
+    with loss_tokens.loss_tokens_only(request):
         logits = model(**kwargs).logits[0]  # [owned, vocab]
     assert request.owned is not None and request.mine is not None
     if request.total == sum(len(t) for _, _, t in every):

@@ -1,3 +1,5 @@
+# size: one mechanism read together: the hooks on the decoder, the attention they route
+#   to, the exchanges both use and the checks of what can be split
 """Ulysses sequence parallelism for Hugging Face decoders, with no change to model code.
 
 With ``sp_size = k > 1`` the strategy calls :func:`apply_ulysses` on every model it
@@ -18,11 +20,9 @@ the language model of Qwen2-VL, ...) and its attention implementation becomes
   all heads;
 * after the decoder, the hidden states are gathered along the sequence and each rank
   gets back exactly its own rows, unpadded: the language-model head, the loss and the
-  log-probabilities see the shapes they would see at ``sp_size = 1``. Under
-  :func:`loss_tokens_only` (what :func:`lightrft.strategy.packing.token_logprobs`
-  uses) nothing is gathered: each rank keeps its slice of the sequence at the loss
-  positions, runs the language-model head there, and the per-token
-  log-probabilities are gathered instead (one number per token, not ``hidden``).
+  log-probabilities see the shapes they would see at ``sp_size = 1``. Inside
+  :func:`lightrft.strategy.loss_tokens.loss_tokens_only` nothing is gathered: each
+  rank keeps its slice at the group's loss positions (see that module).
 
 The data design is upstream's: every rank loads its own share of the data (the sampler
 shards by global rank, as at ``sp_size = 1``) and the group computes its rows together.
@@ -35,9 +35,6 @@ rows were pooled or replicated by ``preprocess``.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterator
-from contextlib import contextmanager
-from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,7 +42,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightrft.strategy import sequence_parallel
+from lightrft.strategy import loss_tokens, sequence_parallel
 from lightrft.strategy.actor import training_module
 
 #: The name of the Ulysses attention in transformers' ``AttentionInterface``.
@@ -443,75 +440,23 @@ def _before_decoder(
     return args, kwargs
 
 
-@dataclass
-class LossTokens:
-    """What :func:`loss_tokens_only` asks of a forward: the loss tokens of every rank of
-    the group, as ``(rows, columns)`` of the positions predicting them in each rank's
-    own batch (every rank passes ``rows_per_rank`` rows). The decoder's hook fills in
-    the rest: the group's loss tokens in one list (rank by rank; once when the ranks
-    hold the same rows), which of them this rank computes (``owned``: their positions
-    fall in its slice of the sequence) and where its own are (``mine``)."""
-
-    per_rank: list[tuple[list[int], list[int]]]
-    rows_per_rank: int
-    total: int = 0
-    owned: torch.Tensor | None = None
-    mine: torch.Tensor | None = None
-
-
-_LOSS_TOKENS: ContextVar[LossTokens | None] = ContextVar("lightrft_loss_tokens", default=None)
-
-
-@contextmanager
-def loss_tokens_only(request: LossTokens) -> Iterator[LossTokens]:
-    """Forwards inside return, as the decoder's hidden states, ``[1, owned, hidden]``:
-    this rank's slice of the sequence at the group's loss positions only, not every
-    rank's rows gathered whole. The language-model head then runs on each rank's own
-    share of the group's loss tokens (see
-    :func:`lightrft.strategy.packing.token_logprobs`, which gathers the
-    log-probabilities instead of the hidden states)."""
-    token = _LOSS_TOKENS.set(request)
-    try:
-        yield request
-    finally:
-        _LOSS_TOKENS.reset(token)
-
-
-def _owned_positions(hidden: torch.Tensor, context: _Context, request: LossTokens) -> torch.Tensor:
-    """``hidden`` ([pooled rows, slice, hidden]) at this rank's share of the loss
-    positions, as ``[1, owned, hidden]``; fills ``request``'s indices."""
-    chunk = context.padded // context.size
-    start = context.rank * chunk
-    if context.rows is None:  # every rank holds the same rows: their loss tokens once
-        lists, offsets, mine_from = request.per_rank[:1], [0], 0
-    else:
-        lists = request.per_rank
-        offsets = [r * request.rows_per_rank for r in range(len(lists))]
-        mine_from = sum(len(rows) for rows, _ in lists[: context.rank])
-    rows = torch.tensor(
-        [row + offset for (r, _), offset in zip(lists, offsets, strict=True) for row in r],
-        dtype=torch.long,
-    )
-    columns = torch.tensor([c for _, cols in lists for c in cols], dtype=torch.long)
-    request.total = int(rows.numel())
-    count = len(request.per_rank[context.rank][0])
-    request.mine = torch.arange(mine_from, mine_from + count)
-    owned = ((columns >= start) & (columns < start + chunk)).nonzero().flatten()
-    request.owned = owned
-    device = hidden.device
-    return hidden[rows[owned].to(device), (columns[owned] - start).to(device)].unsqueeze(0)
-
-
 def _after_decoder(
     decoder: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any
 ) -> Any:
     del decoder, args
     context: _Context = kwargs[_CONTEXT_KEY]
-    request = _LOSS_TOKENS.get()
+    request = loss_tokens.requested()
     if request is not None:  # no gather: this rank's share of the loss positions
+
+        def owned(hidden: torch.Tensor) -> torch.Tensor:
+            replicated = context.rows is None
+            return loss_tokens.owned_positions(
+                hidden, context.rank, context.size, context.padded, replicated, request
+            )
+
         if isinstance(output, tuple):
-            return (_owned_positions(output[0], context, request), *output[1:])
-        output.last_hidden_state = _owned_positions(output.last_hidden_state, context, request)
+            return (owned(output[0]), *output[1:])
+        output.last_hidden_state = owned(output.last_hidden_state)
         return output
 
     def whole(hidden: torch.Tensor) -> torch.Tensor:
