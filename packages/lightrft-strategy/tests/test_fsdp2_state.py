@@ -31,6 +31,10 @@ def test_collectives_keep_types_and_shapes() -> None:
     assert r0["min_uint8"].tolist() == [0, 5] and r0["min_uint8"].dtype == torch.uint8
     assert r1["gather_0d"].tolist() == [0.0, 1.0]
     assert r0["dict_order"] == {"a": 3.0, "b": 30.0} == r1["dict_order"]
+    assert r0["numbers"] == {"kl": 1e-3, "loss": 1.0, "tokens": 15.0, "z": -1.0} == r1["numbers"]
+    assert r0["numbers_max"] == {"kl": 1e-3, "loss": 1.5, "tokens": 20, "z": -1.0}
+    assert isinstance(r0["numbers_max"]["tokens"], int)
+    assert r0["number_collectives"] == 2  # one per dict, not one per key
 
 
 def test_ema_of_sharded_model_equals_ema_on_full_tensors() -> None:
@@ -134,6 +138,10 @@ def test_prepare_model_takes_upstream_shard_size_and_reshard_arguments() -> None
     assert layouts["every_rank"] == layouts["capped"] == layouts["default"]
     # shard groups of one rank: replicated, every rank holds the whole tensor
     assert layouts["replicated"]["mesh"] == (2, 1) and layouts["replicated"]["local"] == head
+    # sharded: one FSDP group per block and the root; replicated: nothing to shard, so
+    # one group at the root (one gradient all-reduce per step, not one per block)
+    assert layouts["default"]["fsdp_groups"] == 3 + 1  # TinyRegressor's 3 blocks
+    assert layouts["replicated"]["fsdp_groups"] == 1
     assert layouts["auto"] == layouts["replicated"]  # under 10 B parameters, as upstream
     assert layouts["auto_training"]["mesh"] == (2,)  # trained models shard over every rank
     assert layouts["default"]["block_sharded_after_forward"] is True

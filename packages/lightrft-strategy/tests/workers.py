@@ -72,6 +72,21 @@ def collectives_case() -> dict[str, Any]:
             {"a": 1.0, "b": 10.0} if rank == 0 else {"b": 20.0, "a": 2.0}, "sum"
         ),
     }
+    calls = []
+    real = torch.distributed.all_reduce
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    torch.distributed.all_reduce = counted  # type: ignore[assignment]
+    try:  # a dict of numbers (a step's metrics) goes in one collective
+        numbers = {"loss": 0.5 + rank, "tokens": 10 * (rank + 1), "kl": 1e-3, "z": -1.0}
+        out["numbers"] = strategy.all_reduce(numbers)
+        out["numbers_max"] = strategy.all_reduce(numbers, "max")
+    finally:
+        torch.distributed.all_reduce = real
+    out["number_collectives"] = len(calls)
     strategy.close()
     return out
 
@@ -458,6 +473,7 @@ def layout_case(cfg: dict[str, Any]) -> dict[str, Any]:
     """prepare_model with upstream FSDP's shard_size / reshard_after_forward: the mesh
     each model got, its local shard, whether a block stays gathered after forward, and
     the errors of bad sizes."""
+    from torch.distributed.fsdp import FSDPModule
     from torch.distributed.tensor import DTensor
 
     strategy = get_strategy(cfg)
@@ -479,6 +495,7 @@ def layout_case(cfg: dict[str, Any]) -> dict[str, Any]:
             "mesh": tuple(weight.device_mesh.shape),
             "local": tuple(weight.to_local().shape),
             "block_sharded_after_forward": isinstance(model.layers[0].up.weight, DTensor),
+            "fsdp_groups": sum(isinstance(m, FSDPModule) for m in model.modules()),
         }
     errors = {}
     for bad in (0, -2, "half"):

@@ -38,12 +38,21 @@ def all_reduce(data: Any, op: ReduceOp = "mean") -> Any:
 
     ``int`` inputs come back as ``int`` for ``sum``/``max``/``min`` and as ``float`` for
     ``mean``; ``float`` and ``bool``-free numbers as ``float``; tensors keep dtype
-    (integer tensors under ``mean`` become floating, as a mean must).
+    (integer tensors under ``mean`` become floating, as a mean must). A dict's numbers
+    travel together in one collective (float64); its tensors one by one.
     """
     if op not in ("mean", "max", "min", "sum"):
         raise ValueError(f"all_reduce op={op!r} is not one of 'mean', 'max', 'min', 'sum'")
     if isinstance(data, dict):  # sorted: every rank must reduce the same key together
-        return {key: all_reduce(data[key], op) for key in sorted(data)}
+        numbers = [k for k in sorted(data) if _is_number(data[k])]
+        out = {key: all_reduce(data[key], op) for key in sorted(data) if key not in numbers}
+        if numbers:  # a dict's numbers (a step's metrics) in one collective
+            values = torch.tensor([float(data[k]) for k in numbers], dtype=torch.float64)
+            together: list[float] = _reduce_tensor(values, op).tolist()
+            for key, value in zip(numbers, together, strict=True):
+                keep_int = isinstance(data[key], int) and op != "mean"
+                out[key] = round(value) if keep_int else float(value)
+        return {key: out[key] for key in sorted(data)}
     if isinstance(data, torch.Tensor):
         return _reduce_tensor(data, op)
     if isinstance(data, bool) or not isinstance(data, int | float):
@@ -55,6 +64,10 @@ def all_reduce(data: Any, op: ReduceOp = "mean") -> Any:
     if isinstance(data, int) and op != "mean":
         return round(reduced)
     return float(reduced)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
 
 
 def _reduce_tensor(tensor: torch.Tensor, op: ReduceOp) -> torch.Tensor:

@@ -310,19 +310,43 @@ def packed_sdpa_attention(
     return out.transpose(1, 2)[valid].unsqueeze(0), None
 
 
+def _packed_attention_mask(
+    batch_size: int,
+    q_length: int,
+    kv_length: int,
+    attention_mask: torch.Tensor | None = None,
+    **kwargs: Any,
+) -> torch.Tensor | None:
+    """The mask :data:`PACKED_ATTENTION` gets: none for one row without padding (the
+    attention finds the row's samples from its positions, so transformers' packed mask
+    would be built for nothing), else SDPA's."""
+    from transformers.masking_utils import sdpa_mask
+
+    if batch_size == 1 and attention_mask is None and q_length == kv_length:
+        return None
+    return sdpa_mask(
+        batch_size=batch_size, q_length=q_length, kv_length=kv_length,
+        attention_mask=attention_mask, **kwargs,
+    )  # fmt: skip
+
+
 def use_packed_attention(model: nn.Module) -> nn.Module:
     """Make a Hugging Face model that attends with SDPA run packed rows with
     :func:`packed_sdpa_attention` (registered with transformers as
-    :data:`PACKED_ATTENTION`; masks are built as for SDPA). On CPU a packed row then
-    costs what its samples cost apart; flash-attention's variable-length kernel does the
-    same on CUDA. Returns ``model``; a model on another attention is left as it is."""
+    :data:`PACKED_ATTENTION`). On CPU a packed row then costs what its samples cost
+    apart; flash-attention's variable-length kernel does the same on CUDA. Returns
+    ``model``; a model on another attention, or with sliding-window layers (whose
+    windows this attention does not apply), is left as it is."""
     from transformers import AttentionInterface
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 
     AttentionInterface.register(PACKED_ATTENTION, packed_sdpa_attention)
-    ALL_MASK_ATTENTION_FUNCTIONS.register(PACKED_ATTENTION, sdpa_mask)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(PACKED_ATTENTION, _packed_attention_mask)
     for module in unwrap_model(model).modules():
         config = getattr(module, "config", None)
-        if getattr(config, "_attn_implementation", None) == "sdpa":
+        if getattr(config, "_attn_implementation", None) != "sdpa":
+            continue
+        layer_types = getattr(config, "layer_types", None) or ["full_attention"]
+        if set(layer_types) == {"full_attention"}:
             config._attn_implementation = PACKED_ATTENTION  # type: ignore[union-attr]
     return model

@@ -61,11 +61,17 @@ def shard_model(
     reshard_after_forward: bool,
     class_names: list[str] | None,
 ) -> nn.Module:
-    """``fully_shard`` each block, then the root (which holds what is left)."""
+    """``fully_shard`` each block, then the root (which holds what is left).
+
+    On a mesh whose shard groups are one rank (``fsdp_shard_size: 1``, or one process)
+    nothing is sharded: per-block groups would save no memory and cost one gradient
+    all-reduce per block, so only the root is wrapped (one all-reduce per step, as DDP
+    does for a model in one bucket) unless ``class_names`` names the blocks."""
     # Pinned host memory needs CUDA; on a CPU-only job the offload path still runs.
     pin = mesh.device_type == "cuda"
     offload = CPUOffloadPolicy(pin_memory=pin) if cpu_offload else OffloadPolicy()
-    blocks = wrap_targets(model, class_names)
+    replicated = mesh.size(mesh.ndim - 1) == 1
+    blocks = [] if replicated and not class_names else wrap_targets(model, class_names)
     for module in [*blocks, model]:
         # The root's parameters are gathered again at once for backward: with the
         # setting on, leave the root to torch's rule (None: the root keeps them), which
