@@ -376,19 +376,22 @@ class Run:
         skip = float(self.strategy.all_reduce(advantages.abs().max(), op="max")) == 0.0
         parts, train_s = ([], 0.0) if skip else self.train_rows(rows, loss_of)
         generated = sum(len(o.output_token_ids) for o in outputs)
-        row = {"phase": "rl", "reward": self._reduce(rewards.mean()), "skipped": int(skip)}
+        means = {
+            "reward": float(rewards.mean()),
+            "response_length": generated / len(outputs),
+            "tokens_per_s": generated / generate_s,
+        }
         for key in ("loss", "kl", "entropy", "logprob_abs_diff", "rollout_kl"):
             if parts and key in parts[0]:
-                row[key] = self._mean(parts, key)
+                means[key] = sum(p[key] for p in parts) / len(parts)
+        # the step's numbers over the ranks: one collective for the means, one for the max
+        row = {"phase": "rl", "skipped": int(skip), **self.strategy.all_reduce(means)}
+        row["tokens_per_s"] *= self.replicas
         if parts and "logprob_max_abs_diff" in parts[0]:
             row["logprob_max_abs_diff"] = float(
-                self.strategy.all_reduce(
-                    torch.tensor(max(p["logprob_max_abs_diff"] for p in parts)), op="max"
-                )
+                self.strategy.all_reduce(max(p["logprob_max_abs_diff"] for p in parts), op="max")
             )
         row |= {
-            "response_length": self._reduce(generated / len(outputs)),
-            "tokens_per_s": self._reduce(generated / generate_s) * self.replicas,
             "generate_s": generate_s,
             "train_s": train_s,
             "sync_s": sync["gather_s"] + sync["load_s"],
