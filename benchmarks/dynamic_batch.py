@@ -214,24 +214,6 @@ class PeakRss:
             self._statm.close()
 
 
-def full_grads(strategy: Any, model: Any) -> dict[str, torch.Tensor]:
-    """Every parameter's whole gradient on every rank, after the last backward of a step
-    and before its optimizer step (FSDP2: gathered from the DTensor shards; DeepSpeed:
-    ``safe_get_full_grad``). Collective."""
-    module = strategy.unwrap_model(model)
-    grads: dict[str, torch.Tensor] = {}
-    if strategy.backend_name == "deepspeed":
-        from deepspeed.utils import safe_get_full_grad
-
-        for name, param in module.named_parameters():
-            grads[name] = safe_get_full_grad(param).detach().clone()
-        return grads
-    for name, param in module.named_parameters():
-        grad = param.grad
-        grads[name] = (grad.full_tensor() if hasattr(grad, "full_tensor") else grad).clone()
-    return grads
-
-
 class Side:
     """One way of splitting the step: its strategy, its copy of the model, what its
     steps computed and how much memory they took."""
@@ -277,7 +259,7 @@ class Side:
                 adv = batch.per_token(self.advantages.to(logp.device))
                 strategy.backward(plan.loss(-adv * logp, batch), self.model, self.optim)
                 if grads and index == plan.num_micro_batches - 1:
-                    self.grads = full_grads(strategy, self.model)
+                    self.grads = strategy.full_gradients(self.model)
                 strategy.optimizer_step(self.optim, self.model, self.sched)
 
     def timed_step(self) -> float:

@@ -20,7 +20,7 @@ from lightrft.strategy import get_strategy
 from lightrft.strategy.packing import build_batch, token_logprobs
 from lightrft.testing.models import tiny_hf_causal_lm
 
-from .sp_workers import SP_MODEL, _full_grads
+from .sp_workers import SP_MODEL
 from .workers import config
 
 #: Tokens per micro-batch on one rank in the packed modes.
@@ -124,7 +124,7 @@ def train_case(cfg_changes: dict[str, Any], modes: list[str], steps: int = 3) ->
                     strategy.backward(loss, actor, optim)
                     last = index == plan.num_micro_batches - 1
                     if step == 0 and last:
-                        record["grads"] = _full_grads(strategy, actor)
+                        record["grads"] = strategy.full_gradients(actor)
                     stepped = strategy.optimizer_step(optim, actor, sched)
                     assert stepped == last, (index, stepped)
             if step == 0:

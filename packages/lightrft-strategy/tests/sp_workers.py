@@ -72,21 +72,6 @@ def _replica_rows(strategy: Any) -> slice:
     return slice(replica * rows, (replica + 1) * rows)
 
 
-def _full_grads(strategy: Any, model: Any) -> dict[str, torch.Tensor]:
-    module = strategy.unwrap_model(model)
-    grads: dict[str, torch.Tensor] = {}
-    if strategy.backend_name == "deepspeed":
-        from deepspeed.utils import safe_get_full_grad
-
-        for name, param in module.named_parameters():
-            grads[name] = safe_get_full_grad(param).detach().clone()
-        return grads
-    for name, param in module.named_parameters():
-        grad = param.grad
-        grads[name] = (grad.full_tensor() if hasattr(grad, "full_tensor") else grad).clone()
-    return grads
-
-
 def parity_case(cfg_changes: dict[str, Any], kinds: list[str], steps: int = 3) -> dict[str, Any]:
     """Train a tiny Qwen2 ``steps`` steps on each kind of batch; report rank-local
     log-probabilities and losses, the first step's full gradients and the final full
@@ -114,7 +99,7 @@ def parity_case(cfg_changes: dict[str, Any], kinds: list[str], steps: int = 3) -
                 record["log_probs"] = lp.detach()
                 record["scored"] = _scored(inputs)
                 record["loss"] = loss.item()
-                record["grads"] = _full_grads(strategy, actor)
+                record["grads"] = strategy.full_gradients(actor)
             strategy.optimizer_step(optim, actor, sched)
         record["params"] = {
             k: v.detach().clone() for k, v in strategy.full_state_dict(actor).items()

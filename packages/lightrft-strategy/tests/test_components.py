@@ -42,7 +42,8 @@ TRAINING_API = {
     "maybe_load_optimizer",
     "offload_model", "reload_model", "report_memory", "sync_and_clear_cache",
     # weights and checkpoints
-    "full_state_dict", "save_model", "load_model", "moving_average", "save_ckpt", "load_ckpt",
+    "full_state_dict", "full_gradients", "save_model", "load_model", "moving_average",
+    "save_ckpt", "load_ckpt",
     # the engine calls of one shape, upstream's and ours (delegates to the engine link)
     "update_engine_weights", "verify_engine_weights", "maybe_sleep_inference_engine",
     "wakeup_inference_engine", "engine_generate_local",

@@ -197,6 +197,14 @@ class Backend(ABC):
             if select is None or select(name):
                 yield name, param.detach()
 
+    def full_gradients(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        """Each parameter's whole gradient (a copy) on every rank; collective."""
+        return {
+            name: param.grad.detach().clone()
+            for name, param in unwrap_model(model).named_parameters()
+            if param.grad is not None
+        }
+
     def load_full_weights(self, model: nn.Module, state: dict[str, torch.Tensor]) -> None:
         """Copy full (unsharded) tensors, all of whose names the model has, into
         ``model``. The default copies into the unwrapped module's tensors."""

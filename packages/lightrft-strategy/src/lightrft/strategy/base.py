@@ -675,6 +675,14 @@ class StrategyBase(UpstreamAttributes, UpstreamEngineCalls):
         self._require_setup("full_state_dict")
         return self.backend.full_state_dict(training_module(model))
 
+    def full_gradients(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        """Each parameter's whole gradient on every rank (copies, on the model's device),
+        read after a step's last ``backward`` and before its ``optimizer_step``: summed
+        over the step's micro-batches and reduced over the data-parallel ranks, as the
+        optimizer will see it. Parameters without a gradient are left out. Collective."""
+        self._require_setup("full_gradients")
+        return self.backend.full_gradients(training_module(model))
+
     def save_model(
         self,
         model: nn.Module,

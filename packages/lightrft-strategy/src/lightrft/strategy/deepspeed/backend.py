@@ -531,6 +531,18 @@ class DeepSpeedBackend(Backend):
                 full = param.data.clone() if gather else param.data
             yield name, full
 
+    def full_gradients(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        """DeepSpeed's ``safe_get_full_grad`` per parameter (ZeRO-2/3 keep gradients
+        in their partitions until the optimizer step)."""
+        from deepspeed.utils import safe_get_full_grad
+
+        grads = {}
+        for name, param in unwrap_model(model).named_parameters():
+            grad = safe_get_full_grad(param)
+            if grad is not None:
+                grads[name] = grad.detach().clone()
+        return grads
+
     def load_full_weights(self, model: nn.Module, state: dict[str, torch.Tensor]) -> None:
         """ZeRO-3 parameters are gathered and written back from rank 0; an engine whose
         optimizer keeps fp32 master copies (ZeRO-1/2/3, bf16/fp16) refreshes them from

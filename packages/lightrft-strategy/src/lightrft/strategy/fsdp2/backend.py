@@ -225,6 +225,15 @@ class FSDP2Backend(Backend):
                 continue
             yield name, param.full_tensor() if isinstance(param, DTensor) else param.detach()
 
+    def full_gradients(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        grads = {}
+        for name, param in model.named_parameters():
+            grad = param.grad
+            if grad is not None:
+                full = grad.full_tensor() if isinstance(grad, DTensor) else grad.detach()
+                grads[name] = full.clone()
+        return grads
+
     def update_ema(self, model: nn.Module, model_ema: nn.Module, beta: float) -> None:
         """EMA on matching shards when both models are sharded alike, else on full
         tensors gathered from the sharded model."""
