@@ -52,7 +52,7 @@ def _full_then_resumed(tmp_path: Path, args: list[str]) -> list[dict[str, Any]]:
     return rows
 
 
-def test_rl_with_vllm_raises_held_out_accuracy_and_resumes_exactly(
+def test_rl_with_vllm_raises_the_training_reward_and_resumes_exactly(
     warm_model: Path, tmp_path: Path
 ) -> None:
     # a decaying schedule: the interrupted run must keep the 20-step horizon

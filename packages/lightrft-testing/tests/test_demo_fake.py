@@ -79,7 +79,7 @@ def _rl(warm: Path, *args: str) -> list[str]:
 
 
 @pytest.mark.timeout(600)
-def test_fake_strategy_with_the_hf_engine_raises_held_out_accuracy(
+def test_fake_strategy_with_the_hf_engine_raises_the_training_reward(
     warm_model: Path, tmp_path: Path
 ) -> None:
     _run(*_rl(warm_model, "--engine_type", "hf", "--steps", "20", "--eval-every", "10"),
