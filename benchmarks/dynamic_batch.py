@@ -17,7 +17,8 @@ a trainer does: ``strategy.plan_micro_batches``, then per micro-batch ``build_ba
 * **packed**: samples packed into one row per micro-batch under a token budget
   (``packing_samples=True, max_tokens_per_gpu=--budget``; by default the largest
   padded micro-batch's token area, rows x width, over the ranks: what the padded side
-  already needs room for).
+  already needs room for), each sample attending within itself in one SDPA call
+  (``packing.use_packed_attention``, as the demo runs them).
 
 Each side has its own strategy (the second joins the first's process group) and model.
 The first step of each side is a warm-up, and its full gradients (gathered from the
@@ -85,7 +86,7 @@ from _common import (
     under_torchrun,
 )
 from lightrft.strategy import get_strategy
-from lightrft.strategy.packing import Sample, build_batch, token_logprobs
+from lightrft.strategy.packing import Sample, build_batch, token_logprobs, use_packed_attention
 
 #: Responses are capped at this many times the mean length (a rollout's max_new_tokens).
 LENGTH_CAP = 8
@@ -229,6 +230,8 @@ class Side:
         self.name = name
         self.strategy = strategy
         model = build_model(args)
+        if strategy.config.packing_samples:
+            model = use_packed_attention(model)
         self.n_params = sum(p.numel() for p in model.parameters())
         (self.model, self.optim, self.sched), *_ = strategy.prepare_models_and_optimizers(
             model, None, None, None, None, max_steps=100_000

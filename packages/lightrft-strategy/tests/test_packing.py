@@ -172,3 +172,17 @@ def test_the_packed_attention_runs_each_sample_apart_with_the_same_results() -> 
     after, _ = token_logprobs(packed_model, build_batch(changed, range(4), packed=True))
     for i, (x, y) in enumerate(zip(packed.split(got), packed.split(after), strict=True)):
         assert i == 0 or torch.equal(x, y), f"sample {i} saw sample 0's tokens"
+
+
+def test_a_packed_row_attends_in_groups_of_similar_length() -> None:
+    """One long sample and many short ones: the short ones are not padded to the long
+    one's width (each group's longest is under twice its shortest)."""
+    from lightrft.strategy.packing import length_buckets
+
+    lengths = [384, 12, 40, 9, 200, 30, 3, 16]
+    buckets = length_buckets(lengths)
+    assert buckets == [[0, 4], [2, 5], [7, 1, 3], [6]]
+    assert sorted(i for b in buckets for i in b) == list(range(len(lengths)))
+    for bucket in buckets:
+        assert all(2 * lengths[i] > lengths[bucket[0]] >= lengths[i] for i in bucket)
+    assert length_buckets([]) == [] and length_buckets([5, 5, 5]) == [[0, 1, 2]]

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -265,6 +266,22 @@ def _sequence_parallel_logprobs(
 PACKED_ATTENTION = "lightrft_packed_sdpa"
 
 
+def length_buckets(lengths: Sequence[int]) -> list[list[int]]:
+    """The samples of a packed row (their indices), longest first, grouped so that each
+    group's longest is less than twice any of its others: padded to its group's width,
+    a sample's attention then costs under 4x its own (``n`` samples in one group cost
+    ``n`` times the longest one's square, which a row of one long sample and many short
+    ones would pay for every short one)."""
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    buckets: list[list[int]] = []
+    for i in order:
+        if buckets and 2 * lengths[i] > lengths[buckets[-1][0]]:
+            buckets[-1].append(i)
+        else:
+            buckets.append([i])
+    return buckets
+
+
 def packed_sdpa_attention(
     module: nn.Module,
     query: torch.Tensor,
@@ -273,11 +290,11 @@ def packed_sdpa_attention(
     attention_mask: torch.Tensor | None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    """SDPA for a packed row: its samples are laid out as a padded batch inside the
-    attention only and attend causally within themselves in one call, so the attention
-    of a row of ``n`` samples costs ``n`` times the longest one's square, not the square
-    of the row (the rest of the model stays packed); anything else (padded rows, a KV
-    cache) goes to transformers' SDPA."""
+    """SDPA for a packed row: its samples, grouped by length (:func:`length_buckets`),
+    are laid out as a padded batch inside the attention only and attend causally within
+    themselves, one SDPA call per group, so a row's attention costs about what its
+    samples cost apart, not the square of the row (the rest of the model stays packed);
+    anything else (padded rows, a KV cache) goes to transformers' SDPA."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     positions = kwargs.get("position_ids")
@@ -288,26 +305,31 @@ def packed_sdpa_attention(
     if starts.numel() == 0:  # one sequence: plain causal
         return sdpa_attention_forward(module, query, key, value, None, **kwargs)
     bounds = [0, *starts.tolist(), int(flat.numel())]
-    # the samples as a padded batch inside the attention only: one SDPA call, causal,
-    # each sample's own keys (the rest of the model stays packed, without padding)
-    begin = torch.tensor(bounds[:-1], device=query.device)
-    lengths = torch.tensor(bounds[1:], device=query.device) - begin
-    width = int(lengths.max())
-    offsets = torch.arange(width, device=query.device)
-    valid = offsets.unsqueeze(0) < lengths.unsqueeze(1)  # [samples, width]
-    index = (begin.unsqueeze(1) + offsets.unsqueeze(0)).clamp(max=int(flat.numel()) - 1)
+    lengths = [b - a for a, b in itertools.pairwise(bounds)]
+    device = query.device
+    pieces, places = [], []
+    for bucket in length_buckets(lengths):
+        begin = torch.tensor([bounds[i] for i in bucket], device=device)
+        sizes = torch.tensor([lengths[i] for i in bucket], device=device)
+        width = lengths[bucket[0]]
+        offsets = torch.arange(width, device=device)
+        valid = offsets.unsqueeze(0) < sizes.unsqueeze(1)  # [samples, width]
+        index = (begin.unsqueeze(1) + offsets.unsqueeze(0)).clamp(max=int(flat.numel()) - 1)
 
-    def batched(tensor: torch.Tensor) -> torch.Tensor:  # [1, heads, T, d] -> [n, heads, w, d]
-        return tensor[0][:, index].transpose(0, 1)
+        def batched(tensor: torch.Tensor, index: torch.Tensor = index) -> torch.Tensor:
+            return tensor[0][:, index].transpose(0, 1)  # [1, h, T, d] -> [n, h, w, d]
 
-    causal = torch.ones(width, width, dtype=torch.bool, device=query.device).tril()
-    mask = (causal.unsqueeze(0) & valid.unsqueeze(1)).unsqueeze(1)  # [n, 1, w, w]
-    out = torch.nn.functional.scaled_dot_product_attention(
-        batched(query), batched(key), batched(value), attn_mask=mask,
-        scale=kwargs.get("scaling"), enable_gqa=query.shape[1] != key.shape[1],
-    )  # fmt: skip
-    # back to the row: [T, heads, d], then transformers' [1, T, heads, d]
-    return out.transpose(1, 2)[valid].unsqueeze(0), None
+        causal = torch.ones(width, width, dtype=torch.bool, device=device).tril()
+        mask = (causal.unsqueeze(0) & valid.unsqueeze(1)).unsqueeze(1)  # [n, 1, w, w]
+        out = torch.nn.functional.scaled_dot_product_attention(
+            batched(query), batched(key), batched(value), attn_mask=mask,
+            scale=kwargs.get("scaling"), enable_gqa=query.shape[1] != key.shape[1],
+        )  # fmt: skip
+        pieces.append(out.transpose(1, 2)[valid])  # [tokens, heads, d]
+        places.append(index[valid])
+    # back to the row's order: [T, heads, d], then transformers' [1, T, heads, d]
+    order = torch.cat(places).argsort()
+    return torch.cat(pieces)[order].unsqueeze(0), None
 
 
 def _packed_attention_mask(
