@@ -75,6 +75,9 @@ NEW_FIELDS: dict[str, object] = {
     "lora_sync": "merged",
     "max_tokens_per_gpu": None,
     "loss_agg_mode": "token-mean",
+    "engine_placement": "colocated",
+    "engine_ranks": None,
+    "max_staleness": 0,
 }
 
 #: Argparse names of upstream's examples/gsm8k_geo3k/train_colocate.py (not in its

@@ -85,6 +85,7 @@ from lightrft.config.backends import (
 )
 from lightrft.config.deepspeed_rules import adam_offload_problem, derived_keys, overlay_problems
 from lightrft.config.errors import ConfigError, ConfigProblem, from_validation_error
+from lightrft.config.placement import engine_ranks_problems, placement_problems
 from lightrft.config.spelling import closest, one_edit_away
 
 logger = logging.getLogger("lightrft.config")
@@ -392,6 +393,28 @@ class StrategyConfig(BaseModel):
         "Requires enable_engine_sleep; None means 1 when sleep is enabled.",
         json_schema_extra={"accepted": "null, 1 or 2"},
     )
+    engine_placement: Literal["colocated", "separate"] = Field(
+        "colocated",
+        description="(new) Where the rollout engines run: colocated (every rank trains and "
+        "serves, in turns; upstream's layout) or separate (the last engine_ranks ranks of the "
+        "job serve, the others train; verl's rollout.nnodes x rollout.n_gpus_per_node in its "
+        "one-step-off-policy recipe, OpenRLHF's vllm.num_engines x vllm.tensor_parallel_size).",
+    )
+    engine_ranks: Int | None = Field(
+        None,
+        gt=0,
+        description="(new) engine_placement separate: how many ranks of the job (the last "
+        "ones) serve engines (None: 1); engine_tp_size must divide it.",
+        json_schema_extra={"accepted": "null or an integer > 0"},
+    )
+    max_staleness: Int = Field(
+        0,
+        ge=0,
+        description="(new) engine_placement separate: optimizer steps the weights that "
+        "generated a rollout may lag the trainer's when it is trained on; 0: the newest "
+        "weights always, 1: one-step-off-policy (AReaL's max_head_offpolicyness, NeMo RL's "
+        "max_trajectory_age_steps, OpenRLHF's train.async_queue_size).",
+    )
     verify_engine_sync: bool = Field(
         False,
         description="(new) After each update_engine_weights, check that the engine's logprobs "
@@ -562,6 +585,7 @@ class StrategyConfig(BaseModel):
                     "micro-batches of micro_train_batch_size samples",
                 )
             )
+        problems.extend(placement_problems(self))
         if self.resolved_backend == "deepspeed":
             problems.extend(self._deepspeed_problems())
         if problems:
@@ -617,8 +641,13 @@ class StrategyConfig(BaseModel):
             raise ConfigError(
                 [ConfigProblem("world_size", world_size, "must be a positive integer")]
             )
+        problems = engine_ranks_problems(self, world_size)
+        if problems:
+            raise ConfigError(problems)
+        job, world_size = world_size, self.trainer_ranks(world_size)
+        trainers = f" ({world_size} trainer ranks of {job})" if world_size != job else ""
         divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
-        sized = ["sp_size", "engine_tp_size"]
+        sized = ["sp_size"] + (["engine_tp_size"] if world_size == job else [])
         if self.resolved_backend == "deepspeed":
             sized.append("zpg")
         if self.resolved_backend == "fsdp2" and self.fsdp_shard_size is not None:
@@ -627,7 +656,7 @@ class StrategyConfig(BaseModel):
             ConfigProblem(
                 name,
                 getattr(self, name),
-                f"does not divide the world size {world_size}",
+                f"does not divide the world size {world_size}{trainers}",
                 accepted=f"a divisor of {world_size}: {', '.join(map(str, divisors))}",
             )
             for name in sized
@@ -652,10 +681,17 @@ class StrategyConfig(BaseModel):
         if problems:
             raise ConfigError(problems)
 
+    def trainer_ranks(self, world_size: int) -> int:
+        """The ranks of a job of ``world_size`` that train: all of them, or with
+        ``engine_placement: separate`` those before the last ``engine_ranks``."""
+        if self.engine_placement == "separate":
+            return world_size - (self.engine_ranks or 1)
+        return world_size
+
     def gradient_accumulation_steps(self, world_size: int) -> int:
-        """Micro-batches accumulated per optimizer step at ``world_size`` ranks."""
+        """Micro-batches accumulated per optimizer step in a job of ``world_size`` ranks."""
         self.validate_world_size(world_size)
-        dp = world_size // self.sp_size
+        dp = self.trainer_ranks(world_size) // self.sp_size
         return self.train_batch_size // (self.micro_train_batch_size * dp)
 
     # -- reading from other objects ------------------------------------------------------
