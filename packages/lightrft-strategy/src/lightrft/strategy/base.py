@@ -40,6 +40,7 @@ from lightrft.strategy import (
     collective_threads,
     collectives,
     distributed,
+    engine_ranks,
     lora,
     roll_call,
     sequence_parallel,
@@ -107,6 +108,7 @@ class StrategyBase(UpstreamAttributes, UpstreamEngineCalls):
         #: What the components (backend, engine link, checkpoints) know of the run.
         self.world = World(self.config, owner=type(self).__name__)
         self._owns_process_group = False
+        self._engine_ranks: engine_ranks.EngineRanks | None = None
         #: upstream's sequence-parallel data processor, the identity: the loader gives the
         #: ranks of a group the same items (rebuilt over the groups by setup_distributed)
         self.sp_data_processor = sequence_parallel.SPDataProcessor(replicated=True)
@@ -193,21 +195,32 @@ class StrategyBase(UpstreamAttributes, UpstreamEngineCalls):
         self.config.validate_world_size(launch.world_size)  # before any rendezvous
         if timeout is None:
             timeout = datetime.timedelta(seconds=self.config.dist_timeout_s)
-        self._owns_process_group = distributed.init_process_group(launch, device, timeout)
+        # engine_placement separate: this rank trains among the first ranks, or serves
+        role = engine_ranks.Role.of(self.config, launch)
+        group = None if role is None else (f"/{role.name}", role.rank, role.size)
+        self._owns_process_group = distributed.init_process_group(launch, device, timeout, group)
+        ranks = launch if role is None else role.launch()
         if self._owns_process_group:
             _owners.add(self)
-            store = distributed.group_store("roll/")
-            if launch.world_size > 1 and store is not None:
+            store = distributed.group_store("roll/" if role is None else f"roll/{role.name}/")
+            if ranks.world_size > 1 and store is not None:
                 roll_call.set_roll_call(
-                    roll_call.RollCall(store, launch.rank, launch.world_size, timeout)
+                    roll_call.RollCall(store, ranks.rank, ranks.world_size, timeout)
                 )
-        self._finish_setup(launch, device)
+        if role is not None and role.serves:
+            engine_ranks.serve(role)  # until the trainers close; exits the process
+        self._finish_setup(ranks, device, job_size=launch.world_size)
+        if role is not None:
+            self._engine_ranks = engine_ranks.EngineRanks(role, self.world, timeout)
+            self.engine_link.remote = self._engine_ranks.remote
 
-    def _finish_setup(self, launch: distributed.LaunchEnv, device: torch.device) -> None:
+    def _finish_setup(
+        self, launch: distributed.LaunchEnv, device: torch.device, job_size: int | None = None
+    ) -> None:
         """The end of every setup, once the group is joined (or none is needed): the
         world's ranks, device and accumulation, seeding, readiness, then the backend's
-        ``after_setup``."""
-        self.world.join(launch, device)
+        ``after_setup``. ``job_size``: the job's ranks, engine ranks included."""
+        self.world.join(launch, device, job_size)
         # upstream's groups of sp_size consecutive ranks (size 1 too, as upstream's mesh)
         sequence_parallel.build_sequence_parallel_groups(self.world.sizes.sp_size)
         # the loader gives a group's ranks the same items: nothing to gather
@@ -261,6 +274,10 @@ class StrategyBase(UpstreamAttributes, UpstreamEngineCalls):
         """Leave the process group and forget it, with no collective: what :meth:`close`
         ends with, and all that interpreter exit does for a strategy never closed."""
         _owners.discard(self)
+        ranks, self._engine_ranks = self._engine_ranks, None
+        if ranks is not None:  # the engine ranks exit (trainer rank 0 tells them)
+            ranks.close()
+            self.engine_link.remote = None
         if self._owns_process_group:
             roll_call.set_roll_call(None)
             if dist.is_initialized():

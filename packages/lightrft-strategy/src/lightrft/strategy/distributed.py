@@ -240,17 +240,27 @@ def new_group(ranks: list[int], backend: str | None = None) -> Any:
 
 
 def init_process_group(
-    launch: LaunchEnv, device: torch.device, timeout: datetime.timedelta | None = None
+    launch: LaunchEnv,
+    device: torch.device,
+    timeout: datetime.timedelta | None = None,
+    role: tuple[str, int, int] | None = None,
 ) -> bool:
-    """Join (or create) the default process group. Returns whether this call created it."""
+    """Join (or create) the default process group. Returns whether this call created it.
+
+    ``role``: ``(name, rank, size)`` when the job's ranks split into roles (trainers and
+    engine ranks, ``engine_placement: separate``): the default group is then the
+    role's ranks only, under a store prefix of its own; the job's store is still the
+    one the launcher describes (``launch``)."""
     global _store
     if device.type == "cuda":
         torch.cuda.set_device(launch.local_rank % max(1, torch.cuda.device_count()))
+    name, rank, size = role or ("", launch.rank, launch.world_size)
     if dist.is_initialized():
-        if dist.get_world_size() != launch.world_size:
+        if dist.get_world_size() != size:
             raise RuntimeError(
                 f"a process group of world size {dist.get_world_size()} already exists, but "
                 f"the launcher ({launch.launcher}) says WORLD_SIZE={launch.world_size}"
+                + (f", of which {size} are {name}" if role else "")
             )
         return False
     if launch.launcher == "single":
@@ -265,9 +275,9 @@ def init_process_group(
     store = generation_store(launch, port, timeout)
     dist.init_process_group(
         backend=process_group_backend(device),
-        store=PrefixStore("pg", store),
-        rank=launch.rank,
-        world_size=launch.world_size,
+        store=PrefixStore(f"pg{name}", store),
+        rank=rank,
+        world_size=size,
         timeout=timeout,
     )
     _store = store

@@ -61,11 +61,16 @@ class World:
         self.owner = owner
         self.step_states = StepStates()
 
-    def join(self, launch: distributed.LaunchEnv, device: torch.device) -> None:
+    def join(
+        self, launch: distributed.LaunchEnv, device: torch.device, job_size: int | None = None
+    ) -> None:
         """The process group is joined (or this is a world of one): its ranks and device,
-        and the accumulation they give."""
+        and the accumulation they give. ``job_size``: the job's ranks when they are more
+        than the group's (engine ranks of their own: the config counts them out)."""
         self.launch, self.device = launch, device
         size = 1 if self.alone else dist.get_world_size() if dist.is_initialized() else None
+        if job_size is not None and not self.alone:
+            size = job_size
         self.accumulated_gradient = self.sizes.gradient_accumulation_steps(
             launch.world_size if size is None else size
         )

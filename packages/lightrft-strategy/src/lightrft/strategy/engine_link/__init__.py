@@ -60,6 +60,8 @@ class EngineLink:
         self.world = world
         self.backend = backend
         self.slot = EngineSlot(world)
+        #: With engine ranks of their own: the engine they serve (set by the strategy).
+        self.remote: Any = None
         self.sleep = Sleep(world, self.slot)
         self.generation = Generation(world, self.slot, self.sleep)
         self.weight_sync = WeightSync(
@@ -140,6 +142,9 @@ class EngineLink:
         from lightrft.engines import build_engine
 
         source = self.config if source is None else source
+        if self.remote is not None:  # engine_placement separate: the engine ranks build it
+            self.remote.build(source, engine_type, engine_options)
+            return self.attach(self.remote, actor, built=True)
         tp = int(getattr(source, "engine_tp_size", None) or self.world.sizes.engine_tp_size)
         self._check_tp(tp)
         engine = build_engine(source, engine_type=engine_type, **engine_options)

@@ -137,6 +137,13 @@ class Generation:
         raises it (named with the rank), none generates."""
         engine = self.slot.require("generate")
         group_ranks = self.slot.group_ranks
+        if getattr(engine, "collective", False):
+            # engine ranks of their own serve every trainer rank in one call, which
+            # checks the prompts: every rank takes part, with no prompts too
+            outputs = list(engine.generate([] if refused else list(prompts), sampling))
+            if refused is not None:
+                raise refused
+            return outputs
         if len(group_ranks) == 1:
             if refused is not None:
                 raise refused

@@ -1,0 +1,93 @@
+"""Engine ranks of their own (engine_placement: separate): a 3-rank job, 2 trainer
+ranks on FSDP2 and 1 engine rank serving the Hugging Face engine, over real gloo."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from lightrft.testing.launcher import RankFailure, run_distributed
+from lightrft.testing.models import tiny_hf_causal_lm
+
+from . import engine_rank_workers as workers
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    path = tmp_path_factory.mktemp("tiny_lm")
+    torch.manual_seed(0)
+    tiny_hf_causal_lm().save_pretrained(path)
+    return str(path)
+
+
+def _reference_outputs(model_dir: str, prompts: list[list[int]], sampling: Any) -> list[Any]:
+    """The HF engine in this process, on every trainer's prompts in one call."""
+    from lightrft.engines import build_engine
+
+    engine = build_engine(
+        {"engine_type": "hf", "pretrain": model_dir, "device": "cpu", "precision": "fp32"}
+    )
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the ranks run (OMP_NUM_THREADS=1): the same rounding
+    try:
+        return list(engine.generate(prompts, sampling))
+    finally:
+        torch.set_num_threads(threads)
+        engine.shutdown()
+
+
+def test_trainer_ranks_train_apart_and_the_engine_rank_serves_them(model_dir: str) -> None:
+    from lightrft.engines import SamplingParams
+
+    cfg = workers.separate_config(model_dir)
+    trainer0, trainer1, engine = run_distributed(
+        workers.sync_and_generate_case, 3, cfg, model_dir, init_process_group=False, timeout=240
+    )
+    # the engine rank served until the trainers closed, then exited with 0
+    assert engine == {"engine_rank_exit": 0}
+    # training sees 2 ranks: 4 samples = 2 per micro-batch x 2 trainer ranks, 1 step
+    assert trainer0["world_size"] == trainer1["world_size"] == 2
+    assert trainer0["accumulated_gradient"] == 1
+    # each trainer rank got exactly its prompts' outputs (n=2 each), as one engine
+    # generating every trainer's prompts in one call gives them
+    sampling = SamplingParams(max_new_tokens=4, n=2, seed=3, temperature=1.0, logprobs=True)
+    want = _reference_outputs(model_dir, workers.PROMPTS[0] + workers.PROMPTS[1], sampling)
+    got = trainer0["before"] + trainer1["before"]
+    assert len(trainer0["before"]) == 4 and len(trainer1["before"]) == 2
+    assert [g[0] for g in got] == [w.output_token_ids for w in want]
+    for (_, logprobs, version), w in zip(got, want, strict=True):
+        torch.testing.assert_close(torch.tensor(logprobs), torch.tensor(w.logprobs))
+        assert version == 1  # the sync of setup_inference_engine(actor=...)
+    assert trainer0["verified_before"] < 1e-3
+    # the trained weights reached the engine: one more sync, verified against a forward
+    assert trainer0["sync"]["weight_version"] == 2 and trainer0["sync"]["max_logprob_gap"] < 1e-3
+    assert trainer0["sync"]["tensors"] == trainer0["params"]  # every parameter, once
+    assert {o[1] for o in trainer0["after"] + trainer1["after"]} == {2}
+    assert trainer0["losses"] != trainer1["losses"]  # each rank its own data
+    # a rank with no prompts still takes part; a bad prompt on one rank is raised on
+    # both, naming that rank, and no engine rank generated it
+    assert trainer1["empty"] == 0 and trainer0["empty"] == 4
+    for label, fragment in (("vocab", "5000"), ("empty", "empty")):
+        assert trainer0["errors"][label] == trainer1["errors"][label]
+        assert "PromptError" in trainer0["errors"][label], trainer0["errors"][label]
+        assert "prompt 0 of rank 1" in trainer0["errors"][label]
+        assert fragment in trainer0["errors"][label]
+
+
+def test_a_killed_engine_rank_is_named_on_every_trainer_rank(
+    model_dir: str, tmp_path: Path
+) -> None:
+    cfg = workers.separate_config(model_dir, dist_timeout_s=60)
+    with pytest.raises(RankFailure) as info:
+        run_distributed(
+            workers.lost_engine_case, 3, cfg, model_dir, str(tmp_path),
+            init_process_group=False, timeout=240,
+        )  # fmt: skip
+    assert set(info.value.failures) == {2}, info.value  # only the killed rank failed
+    for rank in (0, 1):
+        message = (tmp_path / f"rank{rank}.txt").read_text()
+        assert message.startswith("EngineRankError"), message
+        assert "engine rank(s) [2] exited" in message, message
