@@ -18,14 +18,14 @@ PROMPTS = {0: [[1, 2, 3], [4, 5]], 1: [[6, 7, 8, 9]]}
 
 
 def separate_config(model_dir: str, **changes: Any) -> dict[str, Any]:
-    return config(
-        engine_placement="separate",
-        engine_type="hf",
-        pretrain=model_dir,
-        train_batch_size=4,
-        micro_train_batch_size=2,
-        **changes,
-    )
+    settings: dict[str, Any] = {
+        "engine_placement": "separate",
+        "engine_type": "hf",
+        "pretrain": model_dir,
+        "train_batch_size": 4,
+        "micro_train_batch_size": 2,
+    }
+    return config(**{**settings, **changes})
 
 
 def _trainer(cfg: dict[str, Any], model_dir: str) -> tuple[Any, Any, Any, Any] | dict[str, Any]:
@@ -124,3 +124,46 @@ def lost_engine_case(cfg: dict[str, Any], model_dir: str, out: str) -> dict[str,
         message = f"{type(exc).__name__}: {exc}"
     Path(out, f"rank{rank}.txt").write_text(message)
     return {"message": message}
+
+
+def staleness_case(cfg: dict[str, Any], model_dir: str, steps: int) -> dict[str, Any]:
+    """A loop written once for every placement: sync, collect this step's rollouts
+    (submitted during the last step), submit the next step's, train on this step's
+    completions. Returns per step the rollouts, their weight versions and lag, the
+    loss, and rank 0's final parameters."""
+    from lightrft.engines import SamplingParams
+
+    made = _trainer(cfg, model_dir)
+    if isinstance(made, dict):
+        return made
+    strategy, actor, optim, sched = made
+    rank = strategy.get_rank()
+
+    def prompts(step: int) -> list[list[int]]:
+        return [[(7 * step + 3 * rank + j) % 90 + 1 for j in range(3)] for _ in range(2)]
+
+    def sampling(step: int) -> Any:
+        return SamplingParams(max_new_tokens=3, n=2, seed=10 + step, temperature=1.0, logprobs=True)
+
+    record: dict[str, list[Any]] = {
+        "tokens": [], "logprobs": [], "versions": [], "lag": [], "loss": []
+    }  # fmt: skip
+    for step in range(1, steps + 1):
+        strategy.update_engine_weights(actor, skip_unchanged=True)
+        if step == 1:
+            strategy.submit_generation(prompts(step), sampling(step))
+        outputs = strategy.collect_generation()
+        record["lag"].append(strategy.rollout_lag(outputs))
+        if step < steps:
+            strategy.submit_generation(prompts(step + 1), sampling(step + 1))
+        record["tokens"].append([o.output_token_ids for o in outputs])
+        record["versions"].append([o.weight_version for o in outputs])
+        record["logprobs"].append([o.logprobs for o in outputs])
+        ids = torch.tensor([o.prompt_token_ids + o.output_token_ids for o in outputs])
+        loss = actor(input_ids=ids, labels=ids).loss
+        strategy.backward(loss, actor, optim)
+        strategy.optimizer_step(optim, actor, sched)
+        record["loss"].append(float(loss.detach()))
+    state = strategy.full_state_dict(actor)
+    strategy.close()
+    return {**record, "state": {k: v.clone() for k, v in state.items()} if rank == 0 else None}

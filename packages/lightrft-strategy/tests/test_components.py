@@ -47,6 +47,8 @@ TRAINING_API = {
     # the engine calls of one shape, upstream's and ours (delegates to the engine link)
     "update_engine_weights", "verify_engine_weights", "maybe_sleep_inference_engine",
     "wakeup_inference_engine", "engine_generate_local",
+    # rollouts submitted ahead (engine ranks of their own generate while the trainer trains)
+    "submit_generation", "collect_generation", "rollout_lag",
     # which backend and engine link the class builds, and upstream's constructor order
     "backend_name", "backend_class", "engine_link_class", "upstream_parameters",
 }  # fmt: skip

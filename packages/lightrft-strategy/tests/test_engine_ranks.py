@@ -91,3 +91,39 @@ def test_a_killed_engine_rank_is_named_on_every_trainer_rank(
         message = (tmp_path / f"rank{rank}.txt").read_text()
         assert message.startswith("EngineRankError"), message
         assert "engine rank(s) [2] exited" in message, message
+
+
+def test_max_staleness_0_trains_as_colocated_and_1_runs_one_step_off(model_dir: str) -> None:
+    """One trainer rank: colocated (1 rank), separate with max_staleness 0 and 1 (a
+    trainer and an engine rank), the same loop of submit/collect."""
+    steps = 3
+    single = workers.separate_config(model_dir, train_batch_size=2, micro_train_batch_size=2)
+    colocated = {k: v for k, v in single.items() if k != "engine_placement"}
+    (together,) = run_distributed(
+        workers.staleness_case, 1, colocated, model_dir, steps,
+        init_process_group=False, timeout=240,
+    )  # fmt: skip
+    fresh, engine = run_distributed(
+        workers.staleness_case, 2, {**single, "max_staleness": 0}, model_dir, steps,
+        init_process_group=False, timeout=240,
+    )  # fmt: skip
+    assert engine == {"engine_rank_exit": 0}
+    # max_staleness 0: the rollouts, losses and parameters of the colocated layout
+    assert fresh["tokens"] == together["tokens"]
+    assert fresh["loss"] == together["loss"]
+    assert fresh["lag"] == together["lag"] == [0] * steps
+    for name, value in together["state"].items():
+        torch.testing.assert_close(fresh["state"][name], value, rtol=0, atol=0, msg=name)
+    # versions: the setup's sync is 1, then one sync per step after the first
+    assert [set(v) for v in fresh["versions"]] == [{1}, {2}, {3}]
+    ahead, _ = run_distributed(
+        workers.staleness_case, 2, {**single, "max_staleness": 1}, model_dir, steps,
+        init_process_group=False, timeout=240,
+    )  # fmt: skip
+    # max_staleness 1: step s+1's rollouts were generated during step s's training,
+    # from the weights before it: one version behind, and so lag 1
+    assert ahead["tokens"][0] == fresh["tokens"][0]
+    assert [set(v) for v in ahead["versions"]] == [{1}, {1}, {2}]
+    assert ahead["lag"] == [0, 1, 1]
+    assert ahead["logprobs"][0] == fresh["logprobs"][0]
+    assert ahead["logprobs"][1] != fresh["logprobs"][1]  # the weights before step 1's update

@@ -851,6 +851,26 @@ class StrategyBase(UpstreamAttributes, UpstreamEngineCalls):
             sampling_params, prompt_token_ids, multi_modal_inputs
         )
 
+    def submit_generation(
+        self, prompts: Sequence[Any], sampling: Any = None, sleep_engine: bool = False
+    ) -> None:
+        """Hand the next step's prompts to the engine before training on this one
+        (:mod:`~lightrft.strategy.engine_link.submitted`): engine ranks of their own
+        with ``max_staleness >= 1`` start generating at once; otherwise generation
+        waits for :meth:`collect_generation`, from the newest weights. Collective."""
+        self.engine_link.submitted.submit(prompts, sampling, sleep_engine)
+
+    def collect_generation(self) -> list[GenerationOutput]:
+        """This rank's outputs of the submitted prompts, each with the
+        ``weight_version`` that generated it, from weights at most ``max_staleness``
+        optimizer steps old. Collective."""
+        return self.engine_link.submitted.collect()
+
+    def rollout_lag(self, outputs: Sequence[GenerationOutput]) -> int:
+        """Optimizer steps between the trainer's weights and the oldest weights that
+        generated ``outputs`` on any rank (the demo's ``weight_lag``). Collective."""
+        return self.engine_link.submitted.lag(outputs)
+
     # -- checkpoints -----------------------------------------------------------------------
     def save_ckpt(
         self,

@@ -176,16 +176,21 @@ class RollCall:
         return CollectiveError(message, operation, self.rank, missing)
 
     def _absent_settled(
-        self, seq: int, cause: BaseException, wait_s: float = 3.0
+        self, seq: int, cause: BaseException, wait_s: float = 5.0
     ) -> dict[int, str]:
-        """:meth:`absent`; when every rank reached ``seq`` yet the connection to one was
-        lost, that rank was killed inside the operation and its process may still be
-        ending (a killed process closes its sockets before /proc shows it exited), so
-        look again for up to ``wait_s`` seconds."""
+        """:meth:`absent`; when the connection to a rank was lost, that rank was killed
+        and its process may still be ending (a killed process closes its sockets before
+        /proc shows it exited, later still on a loaded machine), so until one shows as
+        exited look again for up to ``wait_s`` seconds (a rank on another host never
+        shows: then the full wait)."""
         missing = self.absent(seq)
         lost = any(w in str(cause).lower() for w in _LOST_CONNECTION_WORDS)
         deadline = time.monotonic() + wait_s
-        while not missing and lost and time.monotonic() < deadline:
+
+        def settled() -> bool:  # a lost connection: some rank's process has exited
+            return any("has exited" in where for where in missing.values())
+
+        while lost and not settled() and time.monotonic() < deadline:
             time.sleep(0.1)
             missing = self.absent(seq)
         return missing

@@ -32,6 +32,7 @@ from lightrft.strategy.engine_link.common import (
 )
 from lightrft.strategy.engine_link.generation import Generation, build_multimodal_inputs
 from lightrft.strategy.engine_link.sleep import Sleep
+from lightrft.strategy.engine_link.submitted import Submitted
 from lightrft.strategy.engine_link.weight_sync import DEFAULT_BUCKET_BYTES, WeightSync
 
 if TYPE_CHECKING:
@@ -68,6 +69,7 @@ class EngineLink:
             world, backend, self.slot, self.sleep, self.generation,
             AdapterSender(backend, self.sleep),
         )  # fmt: skip
+        self.submitted = Submitted(world, self.slot, self.generation, self.weight_sync)
 
     @property
     def config(self) -> StrategyConfig:

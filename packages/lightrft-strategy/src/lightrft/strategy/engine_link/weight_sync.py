@@ -102,6 +102,8 @@ class WeightSync:
         #: LoRA models whose merged weights reached this engine in full once: later
         #: syncs send only what the adapter can change.
         self._synced_in_full: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+        self._last: weakref.ref[nn.Module] | None = None  # the model last synced
+        self._last_changes = -1  # its weight changes then
         #: Per model: what the engine got at the last sync (the model's weight_changes,
         #: the engine's weight_version after it, the sync's renaming and dtype).
         self._engine_holds: weakref.WeakKeyDictionary[nn.Module, tuple[Any, ...]] = (
@@ -112,6 +114,16 @@ class WeightSync:
         """A new engine is attached: it holds nothing synced by the link."""
         self._synced_in_full = weakref.WeakSet()
         self._engine_holds = weakref.WeakKeyDictionary()
+        self._last = None
+        self._last_changes = -1
+
+    def last_model(self) -> nn.Module | None:
+        """The model the last sync sent (while it lives)."""
+        return None if self._last is None else self._last()
+
+    def trainer_ahead(self, model: nn.Module) -> bool:
+        """Whether ``model``'s weights changed since the last sync sent them."""
+        return self._weight_changes(training_module(model)) != self._last_changes
 
     def _weight_changes(self, model: nn.Module) -> int:
         """How often the strategy has changed ``model``'s weights (its StepState)."""
@@ -169,10 +181,14 @@ class WeightSync:
         warning and returns ``{}``, as upstream's base class does."""
         self.world.require_setup("update_engine_weights")
         with roll_call.guard("update_engine_weights"):
-            return self._update_engine_weights(
+            stats = self._update_engine_weights(
                 model, bucket_bytes=bucket_bytes, name_map=name_map, dtype=dtype, verify=verify,
                 skip_unchanged=skip_unchanged,
             )  # fmt: skip
+        if stats:  # (what a later collect_generation sends again when it changed)
+            self._last = weakref.ref(model)
+            self._last_changes = self._weight_changes(training_module(model))
+        return stats
 
     def _holds(
         self, engine: Any, model: nn.Module, module: nn.Module, how: tuple[Any, ...]

@@ -53,6 +53,10 @@ class RemoteEngine:
         self._sync_error: tuple[str, Any] | None = None  # a bucket's failure
         self._pending: list[int] | None = None  # prompts per trainer rank, submitted
         self._pending_n = 1
+        # trainer rank 0: a submitted generation's answers, read early because another
+        # request's answer came after them (each engine rank answers in order)
+        self._early: dict[int, tuple[str, Any]] = {}
+        self._awaiting = False  # a generation's answers are still to be read
 
     # -- what the link asks of an engine ----------------------------------------------
     @property
@@ -98,6 +102,7 @@ class RemoteEngine:
         outcome: tuple[str, Any] = ("ok", None)
         if self.channel is not None:
             outcome = self._guarded("generate", lambda: self._send_prompts(every, sampling))
+            self._awaiting = outcome[0] == "ok"
         self._raise(self._share(outcome))
         self._pending = [len(chunk) for chunk in every]
         self._pending_n = max(1, int(protocol_module().as_sampling_params(sampling).n))
@@ -183,15 +188,25 @@ class RemoteEngine:
 
     def _receive_outputs(self) -> list[Any]:
         assert self.channel is not None
+        self._read_early()
+        early, self._early = self._early, {}
         outputs: list[Any] = []
-        for i in range(self.channel.size - 1):
-            outputs += self._answer(self.channel.receive(1 + i), 1 + i)
+        for i in range(1, self.channel.size):
+            outputs += self._answer(early[i], i)
         return outputs
+
+    def _read_early(self) -> None:
+        """Read the submitted generation's answers (in order, before any later one)."""
+        assert self.channel is not None
+        if self._awaiting:
+            self._early = {i: self.channel.receive(i) for i in range(1, self.channel.size)}
+            self._awaiting = False
 
     def _ask_all(self, request: tuple[Any, ...]) -> list[Any]:
         assert self.channel is not None
         for to in range(1, self.channel.size):
             self.channel.send(request, to)
+        self._read_early()  # a generation in flight answers first
         return [self._answer(self.channel.receive(i), i) for i in range(1, self.channel.size)]
 
     def _answer(self, answer: tuple[str, Any], sender: int) -> Any:
