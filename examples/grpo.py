@@ -184,6 +184,8 @@ class Run:
             )
         )
         strategy.setup_inference_engine(config, actor=self.actor)
+        #: the step whose prompts are submitted to the engine, its problems and prompts
+        self.submitted: tuple[int, list[dict[str, Any]], list[list[int]]] | None = None
 
     def save_warm_model(self) -> None:
         """The warm-up's result, in Hugging Face format (merged, for a LoRA actor), with
@@ -302,23 +304,22 @@ class Run:
     def rl_step(self, step: int) -> tuple[dict[str, Any], list[dict[str, Any]]]:
         """One GRPO step; returns its metrics row and a few of this replica's rollouts
         (the first completion of each of its first problems)."""
-        opts, config, group = self.opts, self.config, self.group
-        problems = self.draw(step, self.per_replica // group)
-        sampling = SamplingParams(
-            max_new_tokens=opts.new_tokens,
-            temperature=opts.temperature,
-            n=group,
-            seed=config.seed * 100_003 + step,
-            stop_token_ids=self.stops,
-            logprobs=True,
-        )
+        opts, group = self.opts, self.group
         # with enable_engine_sleep the engine sleeps while the trainer trains (its memory
         # freed): the sync wakes it (weights, then KV cache), generation sleeps it again
         sync = self.sync()
         t0 = time.perf_counter()
-        prompts = [self.prompting.encode(p["prompt"]) for p in problems]
-        outputs = self.strategy.gather_and_generate(prompts, sampling, sleep_engine=True)
+        if self.submitted is None or self.submitted[0] != step:  # the first RL step
+            self.submit(step)
+        assert self.submitted is not None
+        _, problems, prompts = self.submitted
+        # this step's rollouts: generated now from the newest weights, or (separate
+        # engine ranks, max_staleness >= 1) during the last step's training
+        outputs = self.strategy.collect_generation()
         generate_s = time.perf_counter() - t0
+        weight_lag = self.strategy.rollout_lag(outputs)
+        if step < (opts.stop_after or self.total):
+            self.submit(step + 1)  # the next step's, generated while this one trains
         answers = [problems[i // group]["answer"] for i in range(len(outputs))]
         completions = [self._text(o.output_token_ids) for o in outputs]
         rewards = torch.tensor(
@@ -392,12 +393,29 @@ class Run:
                 self.strategy.all_reduce(max(p["logprob_max_abs_diff"] for p in parts), op="max")
             )
         row |= {
+            "weight_lag": weight_lag,
             "generate_s": generate_s,
             "train_s": train_s,
             "sync_s": sync["gather_s"] + sync["load_s"],
             "weight_version": sync["weight_version"],
         }
         return row, samples
+
+    def submit(self, step: int) -> None:
+        """Hand step ``step``'s prompts to the engine (``strategy.submit_generation``)."""
+        config = self.config
+        problems = self.draw(step, self.per_replica // self.group)
+        prompts = [self.prompting.encode(p["prompt"]) for p in problems]
+        sampling = SamplingParams(
+            max_new_tokens=self.opts.new_tokens,
+            temperature=self.opts.temperature,
+            n=self.group,
+            seed=config.seed * 100_003 + step,
+            stop_token_ids=self.stops,
+            logprobs=True,
+        )
+        self.strategy.submit_generation(prompts, sampling, sleep_engine=True)
+        self.submitted = (step, problems, prompts)
 
     def step(self, step: int) -> tuple[dict[str, Any], list[dict[str, Any]]]:
         """Step ``step`` of the run: a warm-up step, or a GRPO step (the first of which

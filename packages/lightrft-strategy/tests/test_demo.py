@@ -183,3 +183,23 @@ def test_rl_at_sp_size_2_trains_as_at_sp_size_1(warm_model: Path, tmp_path: Path
         assert one["reward"] == two["reward"], one["step"]  # same rollouts
         assert two["loss"] == pytest.approx(one["loss"], abs=1e-5), one["step"]
         assert two["kl"] == pytest.approx(one["kl"], abs=1e-6), one["step"]
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(600)
+def test_rl_one_step_off_with_the_engine_on_its_own_node(warm_model: Path, tmp_path: Path) -> None:
+    """--engine_placement separate --max_staleness 1 as a 2-node loopback job: node 0's
+    rank trains, node 1's rank serves the engine; each step's rollouts were generated
+    during the last step's training from the weights before it (weight_lag 1), every
+    process exits 0, and the training reward rises."""
+    nodes = run_torchrun(
+        GRPO, *_rl(warm_model, "--steps", "20", "--eval-every", "20"), "--out", str(tmp_path),
+        "--engine_placement", "separate", "--max_staleness", "1",
+        nnodes=2, nproc_per_node=1, timeout=500,
+    )  # fmt: skip
+    assert len(nodes) == 2  # (run_torchrun raises when a node exits non-zero)
+    rl = _metrics(tmp_path)[1:]
+    assert [r["weight_lag"] for r in rl] == [0] + [1] * 19
+    assert [r["weight_version"] for r in rl] == list(range(1, 21))  # a sync every step
+    first, last = (sum(r["reward"] for r in part) / 5 for part in (rl[:5], rl[-5:]))
+    assert last > first, [r["reward"] for r in rl]

@@ -51,8 +51,8 @@ class RemoteEngine:
         self.info: dict[str, Any] = {}
         self._version = 0
         self._sync_error: tuple[str, Any] | None = None  # a bucket's failure
-        self._pending: list[int] | None = None  # prompts per trainer rank, submitted
-        self._pending_n = 1
+        # submitted: each trainer rank's number of prompts, and the sampling
+        self._pending: tuple[list[int], Any] | None = None
         # trainer rank 0: a submitted generation's answers, read early because another
         # request's answer came after them (each engine rank answers in order)
         self._early: dict[int, tuple[str, Any]] = {}
@@ -89,9 +89,27 @@ class RemoteEngine:
 
     def generate(self, prompts: Sequence[Any], sampling: Any = None) -> list[Any]:
         """This trainer rank's outputs for its ``prompts`` (``n`` per prompt, in order),
-        generated on the engine ranks with every other trainer rank's."""
-        self.submit(prompts, sampling)
-        return self.collect()
+        generated on the engine ranks with every other trainer rank's (after a
+        submitted generation still in flight, which stays to be collected)."""
+        every = self.world.all_gather_object(list(prompts))
+        outcome: tuple[str, Any] = ("ok", None)
+        if self.channel is not None:
+
+            def call() -> list[Any]:
+                self._send_prompts(every, sampling)
+                self._read_early()  # a submitted generation answers first
+                return self._answers()
+
+            outcome = self._guarded("generate", call)
+        outputs = self._raise(self._share(outcome))
+        return self._mine(outputs, [len(chunk) for chunk in every], sampling)
+
+    def _mine(self, outputs: list[Any], counts: list[int], sampling: Any) -> list[Any]:
+        """This trainer rank's share of every rank's outputs (``n`` per prompt)."""
+        n = max(1, int(protocol_module().as_sampling_params(sampling).n))
+        rank = self.world.get_rank()
+        start = sum(counts[:rank]) * n
+        return list(outputs[start : start + counts[rank] * n])
 
     def submit(self, prompts: Sequence[Any], sampling: Any = None) -> None:
         """Send this step's prompts of every trainer rank to the engine ranks, which
@@ -104,21 +122,18 @@ class RemoteEngine:
             outcome = self._guarded("generate", lambda: self._send_prompts(every, sampling))
             self._awaiting = outcome[0] == "ok"
         self._raise(self._share(outcome))
-        self._pending = [len(chunk) for chunk in every]
-        self._pending_n = max(1, int(protocol_module().as_sampling_params(sampling).n))
+        self._pending = ([len(chunk) for chunk in every], sampling)
 
     def collect(self) -> list[Any]:
         """The outputs of the submitted generation for this trainer rank (waits for
         the engine ranks). Collective."""
         if self._pending is None:
             raise RuntimeError("nothing was submitted to collect")
-        counts, self._pending = self._pending, None
+        (counts, sampling), self._pending = self._pending, None
         outcome: tuple[str, Any] = ("ok", None)
         if self.channel is not None:
             outcome = self._guarded("generate", self._receive_outputs)
-        outputs = self._raise(self._share(outcome))
-        start = sum(counts[: self.world.get_rank()]) * self._pending_n
-        return list(outputs[start : start + counts[self.world.get_rank()] * self._pending_n])
+        return self._mine(self._raise(self._share(outcome)), counts, sampling)
 
     def update_weights(self, named_tensors: Sequence[tuple[str, torch.Tensor]]) -> None:
         """One bucket, from trainer rank 0 to every engine rank (the other trainer ranks
@@ -193,6 +208,14 @@ class RemoteEngine:
         outputs: list[Any] = []
         for i in range(1, self.channel.size):
             outputs += self._answer(early[i], i)
+        return outputs
+
+    def _answers(self) -> list[Any]:
+        """Every engine rank's outputs of the request just sent, in prompt order."""
+        assert self.channel is not None
+        outputs: list[Any] = []
+        for i in range(1, self.channel.size):
+            outputs += self._answer(self.channel.receive(i), i)
         return outputs
 
     def _read_early(self) -> None:
