@@ -39,10 +39,21 @@ def _reference_outputs(model_dir: str, prompts: list[list[int]], sampling: Any) 
         engine.shutdown()
 
 
-def test_trainer_ranks_train_apart_and_the_engine_rank_serves_them(model_dir: str) -> None:
+@pytest.mark.parametrize(
+    "backend",
+    [
+        pytest.param({"backend": "fsdp2"}, id="fsdp2"),
+        pytest.param(
+            {"backend": "deepspeed", "zero_stage": 3}, id="zero3", marks=pytest.mark.deepspeed
+        ),
+    ],
+)
+def test_trainer_ranks_train_apart_and_the_engine_rank_serves_them(
+    model_dir: str, backend: dict[str, Any]
+) -> None:
     from lightrft.engines import SamplingParams
 
-    cfg = workers.separate_config(model_dir)
+    cfg = workers.separate_config(model_dir, **backend)
     trainer0, trainer1, engine = run_distributed(
         workers.sync_and_generate_case, 3, cfg, model_dir, init_process_group=False, timeout=240
     )
