@@ -138,3 +138,21 @@ def test_max_staleness_0_trains_as_colocated_and_1_runs_one_step_off(model_dir: 
     assert ahead["lag"] == [0, 1, 1]
     assert ahead["logprobs"][0] == fresh["logprobs"][0]
     assert ahead["logprobs"][1] != fresh["logprobs"][1]  # the weights before step 1's update
+
+
+def test_the_roles_of_a_job_and_what_is_not_built_yet() -> None:
+    from lightrft.config import ConfigError, StrategyConfig
+    from lightrft.strategy.distributed import LaunchEnv
+    from lightrft.strategy.engine_ranks import Role
+
+    job = [LaunchEnv(r, r, 4, 4, "127.0.0.1", 0, "torchrun") for r in range(4)]
+    config = StrategyConfig(engine_placement="separate", engine_ranks=2)
+    roles = [Role.of(config, launch) for launch in job]
+    assert [(r.serves, r.rank, r.size, r.channel_rank) for r in roles if r] == [
+        (False, 0, 2, 0), (False, 1, 2, None), (True, 0, 2, 1), (True, 1, 2, 2)
+    ]  # fmt: skip
+    assert roles[0] is not None and roles[0].engine_job_ranks == [2, 3]
+    assert Role.of(StrategyConfig(), job[0]) is None  # colocated
+    wide = StrategyConfig(engine_placement="separate", engine_ranks=2, engine_tp_size=2)
+    with pytest.raises(ConfigError, match=r"engine_tp_size=2.*set engine_tp_size=1"):
+        Role.of(wide, job[0])

@@ -7,6 +7,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from lightrft.config import ConfigError, ConfigProblem
 from lightrft.strategy.distributed import LaunchEnv
 
 if TYPE_CHECKING:
@@ -33,6 +34,19 @@ class Role:
         """The role of this process, or None when engines are colocated."""
         if config.engine_placement != "separate":
             return None
+        if config.engine_tp_size > 1:
+            raise ConfigError(
+                [
+                    ConfigProblem(
+                        "engine_tp_size",
+                        config.engine_tp_size,
+                        "with engine_placement='separate' each engine rank serves a whole "
+                        "engine (tensor parallelism across engine ranks is not built yet)",
+                        fix="set engine_tp_size=1 (engine_ranks engines serve side by side), "
+                        "or use engine_placement=colocated",
+                    )
+                ]
+            )
         trainers = config.trainer_ranks(job.world_size)
         return cls(job, trainers, job.world_size - trainers)
 
