@@ -397,6 +397,7 @@ class Run:
             "generate_s": generate_s,
             "train_s": train_s,
             "sync_s": sync["gather_s"] + sync["load_s"],
+            "sync_bytes": sync["bytes"],
             "weight_version": sync["weight_version"],
         }
         return row, samples
