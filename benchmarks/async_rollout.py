@@ -23,7 +23,8 @@ separate+sync run, where no generation is in flight during a sync). The last lin
     one-step-off <s> s/step, transfer <ms> ms
 
 Run it from an environment with the strategy and the HF engine (the ``demo`` or
-``bench`` session's): ``python benchmarks/async_rollout.py [--warm-model DIR]``.
+``bench`` session's): ``python benchmarks/async_rollout.py [--warm-model DIR] [-- demo
+flags]`` (the flags after ``--`` go to every run, e.g. ``--device cuda``).
 
 What the CPU figures say: here the trainer and the engine rank split 2 cores (one thread
 each), and the colocated run trains on 2 ranks where the separate ones train on 1, so
@@ -90,7 +91,8 @@ def run_side(result: Path, job: list[str]) -> int:
 def measure(args: argparse.Namespace, warm: Path) -> dict[str, dict[str, Any]]:
     steps = str(args.steps)
     job = ["--pretrain", str(warm), "--recipe", "demo", "--sft-steps", "0", "--steps", steps,
-           "--min-gain", "-1", "--eval-every", steps, "--save-every", steps]  # fmt: skip
+           "--min-gain", "-1", "--eval-every", steps, "--save-every", steps,
+           *args.demo_flags]  # fmt: skip
     found = {}
     for name, flags in RUNS.items():
         out = args.out / name.replace("+", "_")
@@ -162,7 +164,10 @@ def main(argv: list[str]) -> int:
         action="store_true",
         help="a smoke check: 3 steps from a 5-step warm-up (measures nothing)",
     )
-    args = parser.parse_args(argv)  # fmt: skip
+    # after --: flags for every run of the demo (the GPU check passes --device cuda)
+    extra = argv[argv.index("--") + 1 :] if "--" in argv else []
+    args = parser.parse_args(argv[: len(argv) - len(extra) - (1 if extra else 0)])
+    args.demo_flags = extra
     if args.quick:
         args.steps, args.sft_steps = 3, 5
     args.out = args.out.resolve()

@@ -27,6 +27,8 @@ row naming its run, in OUT/demo-metrics.jsonl):
                and SGLang that imports (a missing one is reported as not run)
     bench-sp   benchmarks/sequence_parallel.py on 2 GPUs (NCCL), sequences of 4k-64k
                tokens (with one GPU it is reported as not run)
+    bench-async benchmarks/async_rollout.py on 2 GPUs: the demo colocated, then with an
+               engine rank of its own at max_staleness 0 and 1 (one GPU: not run)
 
 It exits 1 if any step failed; a summary table ends the output.
 """
@@ -237,8 +239,14 @@ def check(wheels: Path, out: Path, site: Path, only: list[str]) -> int:
             ROOT,
             900,
         )  # fmt: skip
+        steps["bench-async"] = (
+            [sys.executable, str(ROOT / "benchmarks" / "async_rollout.py"), "--steps", "20",
+             "--out", str(runs / "bench-async"), "--", "--device", "cuda"],
+            ROOT,
+            900,
+        )  # fmt: skip
     else:
-        print("gpu_offline: bench-sp (sequence parallelism) needs 2 GPUs: NOT run")
+        print("gpu_offline: bench-sp and bench-async need 2 GPUs: NOT run")
     for engine in ("vllm", "sglang"):
         probe = subprocess.run(
             [sys.executable, "-c", f"import {engine}"], env=env, capture_output=True, check=False
