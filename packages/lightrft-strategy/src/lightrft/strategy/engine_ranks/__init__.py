@@ -66,13 +66,12 @@ class EngineRanks:
             else None
         )
         self.remote = RemoteEngine(world, channel, role.engine_job_ranks)
-        self._closed = False
 
     def close(self) -> None:
         """Tell every engine rank to shut its engine down and exit (trainer rank 0; no
         collective). An engine rank already gone is logged, not raised."""
-        channel, self._closed = self.remote.channel, True
-        if channel is None or self._closed is None:
+        channel, self.remote.channel = self.remote.channel, None
+        if channel is None:  # another trainer rank, or closed already
             return
         for to in range(1, channel.size):
             try:
@@ -84,7 +83,6 @@ class EngineRanks:
                     self.role.engine_job_ranks[to - 1],
                     exc,
                 )
-        self.remote.channel = None
 
 
 def serve(role: Role) -> NoReturn:
