@@ -43,6 +43,7 @@ def _reference_outputs(model_dir: str, prompts: list[list[int]], sampling: Any) 
     "backend",
     [
         pytest.param({"backend": "fsdp2"}, id="fsdp2"),
+        pytest.param({"backend": "fsdp2", "engine_ranks": 2}, id="fsdp2-2-engine-ranks"),
         pytest.param(
             {"backend": "deepspeed", "zero_stage": 3}, id="zero3", marks=pytest.mark.deepspeed
         ),
@@ -54,18 +55,26 @@ def test_trainer_ranks_train_apart_and_the_engine_rank_serves_them(
     from lightrft.engines import SamplingParams
 
     cfg = workers.separate_config(model_dir, **backend)
-    trainer0, trainer1, engine = run_distributed(
-        workers.sync_and_generate_case, 3, cfg, model_dir, init_process_group=False, timeout=240
-    )
-    # the engine rank served until the trainers closed, then exited with 0
-    assert engine == {"engine_rank_exit": 0}
+    engines = backend.get("engine_ranks", 1)
+    trainer0, trainer1, *served = run_distributed(
+        workers.sync_and_generate_case, 2 + engines, cfg, model_dir,
+        init_process_group=False, timeout=240,
+    )  # fmt: skip
+    # the engine ranks served until the trainers closed, then exited with 0
+    assert served == [{"engine_rank_exit": 0}] * engines
     # training sees 2 ranks: 4 samples = 2 per micro-batch x 2 trainer ranks, 1 step
     assert trainer0["world_size"] == trainer1["world_size"] == 2
     assert trainer0["accumulated_gradient"] == 1
-    # each trainer rank got exactly its prompts' outputs (n=2 each), as one engine
-    # generating every trainer's prompts in one call gives them
+    # each trainer rank got exactly its prompts' outputs (n=2 each), as the engine
+    # ranks generating every trainer's prompts (each its share, in one call) give them
     sampling = SamplingParams(max_new_tokens=4, n=2, seed=3, temperature=1.0, logprobs=True)
-    want = _reference_outputs(model_dir, workers.PROMPTS[0] + workers.PROMPTS[1], sampling)
+    everything = workers.PROMPTS[0] + workers.PROMPTS[1]
+    per = -(-len(everything) // engines)  # each engine rank its share, in one call
+    want = [
+        out
+        for start in range(0, len(everything), per)
+        for out in _reference_outputs(model_dir, everything[start : start + per], sampling)
+    ]
     got = trainer0["before"] + trainer1["before"]
     assert len(trainer0["before"]) == 4 and len(trainer1["before"]) == 2
     assert [g[0] for g in got] == [w.output_token_ids for w in want]
