@@ -46,7 +46,6 @@ class Submitted:
         self.weight_sync = weight_sync
         self._request: tuple[list[Any], Any, bool] | None = None
         self._in_flight = False
-        self._version = 0  # the engine's weight version the in-flight prompts use
 
     @property
     def pending(self) -> bool:
@@ -62,13 +61,12 @@ class Submitted:
                 "submit_generation: the last submitted prompts were not collected; call "
                 "strategy.collect_generation() first (one step is in flight at a time)"
             )
-        self._request = (list(prompts), sampling, sleep_engine)
-        self._in_flight = self.world.config.max_staleness >= 1 and callable(
+        in_flight = self.world.config.max_staleness >= 1 and callable(
             getattr(engine, "submit", None)
         )
-        if self._in_flight:
-            self._version = weight_version(engine) or 0
+        if in_flight:  # (a refused prompt raises here, on every rank: nothing is pending)
             engine.submit(list(prompts), sampling)
+        self._request, self._in_flight = (list(prompts), sampling, sleep_engine), in_flight
 
     def collect(self) -> list[Any]:
         """This rank's outputs of the submitted prompts (``n`` per prompt, in order)."""
