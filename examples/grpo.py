@@ -318,8 +318,8 @@ class Run:
         outputs = self.strategy.collect_generation()
         generate_s = time.perf_counter() - t0
         weight_lag = self.strategy.rollout_lag(outputs)
-        if step < (opts.stop_after or self.total):
-            self.submit(step + 1)  # the next step's, generated while this one trains
+        if step < self.total:  # the next step's, generated while this one trains (also
+            self.submit(step + 1)  # at --stop-after: the checkpoint holds it in flight)
         answers = [problems[i // group]["answer"] for i in range(len(outputs))]
         completions = [self._text(o.output_token_ids) for o in outputs]
         rewards = torch.tensor(

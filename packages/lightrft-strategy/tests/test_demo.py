@@ -191,15 +191,30 @@ def test_rl_one_step_off_with_the_engine_on_its_own_node(warm_model: Path, tmp_p
     """--engine_placement separate --max_staleness 1 as a 2-node loopback job: node 0's
     rank trains, node 1's rank serves the engine; each step's rollouts were generated
     during the last step's training from the weights before it (weight_lag 1), every
-    process exits 0, and the training reward rises."""
-    nodes = run_torchrun(
-        GRPO, *_rl(warm_model, "--steps", "20", "--eval-every", "20"), "--out", str(tmp_path),
-        "--engine_placement", "separate", "--max_staleness", "1",
-        nnodes=2, nproc_per_node=1, timeout=500,
-    )  # fmt: skip
-    assert len(nodes) == 2  # (run_torchrun raises when a node exits non-zero)
-    rl = _metrics(tmp_path)[1:]
+    process exits 0, and the training reward rises. Interrupted after step 10 (step
+    11's rollouts in flight) and resumed, the run repeats the uninterrupted one step for
+    step: the checkpoint held those rollouts."""
+    full, part = tmp_path / "full", tmp_path / "part"
+    common = [*_rl(warm_model, "--steps", "20", "--eval-every", "10"), "--engine_placement",
+              "separate", "--max_staleness", "1"]  # fmt: skip
+
+    def run(out: Path, *args: str) -> None:
+        nodes = run_torchrun(GRPO, *common, *args, "--out", str(out), nnodes=2,
+                             nproc_per_node=1, timeout=500)  # fmt: skip
+        assert len(nodes) == 2  # (run_torchrun raises when a node exits non-zero)
+
+    run(full)
+    rows = _metrics(full)
+    rl = rows[1:]
     assert [r["weight_lag"] for r in rl] == [0] + [1] * 19
     assert [r["weight_version"] for r in rl] == list(range(1, 21))  # a sync every step
     first, last = (sum(r["reward"] for r in part) / 5 for part in (rl[:5], rl[-5:]))
     assert last > first, [r["reward"] for r in rl]
+    run(part, "--stop-after", "10")
+    assert (part / "checkpoints" / "global_step10" / "rollouts" / "rank0.pt").is_file()
+    run(part, "--resume")
+    resumed = _metrics(part)
+    assert [r["step"] for r in resumed] == list(range(21))
+    for a, b in zip(rows, resumed, strict=True):
+        same = (*SAME, "weight_lag", "logprob_max_abs_diff")
+        assert {k: a.get(k) for k in same} == {k: b.get(k) for k in same}, a["step"]

@@ -935,14 +935,17 @@ class StrategyBase(UpstreamAttributes, UpstreamEngineCalls):
         loaders from :meth:`setup_dataloader`."""
         model = training_module(model)
         paired_optimizer, paired_scheduler = self._optimizers.get(model, (None, None))
+        submitted, steps = self.engine_link.submitted, self.step_state(model)
         return CheckpointSubject(
             model=model,
             module=self.unwrap_model(model),
             optimizer=optimizer if optimizer is not None else paired_optimizer,
             scheduler=scheduler if scheduler is not None else paired_scheduler,
-            steps=self.step_state(model),
+            steps=steps,
             loaders=self._tracked_dataloaders(),
             restore_loaders=self._restore_dataloader_states,
+            hold_rollouts=submitted.hold,
+            restore_rollouts=lambda held: submitted.restore(held, steps.weight_changes),
         )
 
     def optimizer_of(self, model: nn.Module) -> tuple[Any, Any]:

@@ -15,6 +15,10 @@ Inside a tag directory, besides what the backend writes (``backend.save_state``)
     steps.json                the model's step counters, global_steps and micro_steps
                               (rank 0)
     client_state.pt           the caller's client_state (plain values only; rank 0)
+    rollouts/rank<r>.pt       the rollouts in flight when it was saved (engine ranks of
+                              their own, max_staleness >= 1: every trainer rank's
+                              outputs of the submitted prompts, collected for the
+                              save), given back after a load at the same world size
     hf_config.json            the model's Hugging Face config, when it has one (rank 0;
                               what ``lightrft ckpt export`` writes as config.json)
     tokenizer/                the tokenizer's save_pretrained files, when save_ckpt was
@@ -119,7 +123,11 @@ class CheckpointManager:
         rank = world.get_rank()
         ckpt = CheckpointDir(save_dir, rank=rank, barrier=world.barrier)
 
+        held = subject.hold_rollouts()  # (waits for rollouts in flight; raises first)
         staging = ckpt.begin(tag)
+        if held is not None:
+            (staging / "rollouts").mkdir(exist_ok=True)
+            save_plain(held, staging / "rollouts" / f"rank{rank}.pt", "rollouts in flight")
         backend.save_state(subject.model, optimizer, staging)
         (staging / "rng").mkdir(exist_ok=True)
         save_plain(capture_rng_state(), staging / "rng" / f"rank{rank}.pt", "rng state")
@@ -219,6 +227,7 @@ class CheckpointManager:
         step_state.micro_steps = int(steps["micro_steps"])
         step_state.accumulated = step_state.micro_steps % world.accumulated_gradient
         step_state.weight_changes += 1
+        subject.restore_rollouts(_held_rollouts(info.path, info.metadata, rank, world))
         world.barrier()
         if rank == 0:
             logger.info("loaded checkpoint %s", info.path)
@@ -241,6 +250,22 @@ def _restore_rng(path: Path, saved_world: Any, rank: int, world_size: int) -> No
         )  # fmt: skip
     else:
         restore_rng_state(load_plain(rng_file))
+
+
+def _held_rollouts(path: Path, metadata: dict[str, Any], rank: int, world: World) -> Any:
+    """This rank's rollouts held in flight by the checkpoint, when every rank has its
+    own (saved at this world size); else None (they are generated again)."""
+    held = path / "rollouts" / f"rank{rank}.pt"
+    every = int(world.all_reduce(int(held.is_file()), "min"))
+    if not every or metadata.get("world_size") != world.world_size:
+        if held.is_file() and rank == 0:
+            logger.warning(
+                "checkpoint %s holds the rollouts in flight for world size %s, now %d: "
+                "they are generated again from the loaded weights",
+                path, metadata.get("world_size"), world.world_size,
+            )  # fmt: skip
+        return None
+    return load_plain(held)
 
 
 def _qualified_name(obj: Any) -> str:

@@ -37,6 +37,11 @@ class CheckpointSubject:
     #: Gives saved loader states back to the loaders (and keeps the rest for loaders made
     #: later).
     restore_loaders: Callable[[list[dict[str, int]]], None]
+    #: This rank's rollouts in flight, collected for the checkpoint as plain values
+    #: (None: nothing in flight). Collective.
+    hold_rollouts: Callable[[], dict[str, Any] | None] = lambda: None
+    #: Gives held rollouts back after a load (None: the checkpoint held none).
+    restore_rollouts: Callable[[dict[str, Any] | None], None] = lambda held: None
 
 
 class CheckpointBackend(Protocol):

@@ -123,9 +123,9 @@ class WeightSync:
 
     def trainer_ahead(self, model: nn.Module) -> bool:
         """Whether ``model``'s weights changed since the last sync sent them."""
-        return self._weight_changes(training_module(model)) != self._last_changes
+        return self.weight_changes(training_module(model)) != self._last_changes
 
-    def _weight_changes(self, model: nn.Module) -> int:
+    def weight_changes(self, model: nn.Module) -> int:
         """How often the strategy has changed ``model``'s weights (its StepState)."""
         return self.world.step_state(model).weight_changes
 
@@ -187,14 +187,14 @@ class WeightSync:
             )  # fmt: skip
         if stats:  # (what a later collect_generation sends again when it changed)
             self._last = weakref.ref(model)
-            self._last_changes = self._weight_changes(training_module(model))
+            self._last_changes = self.weight_changes(training_module(model))
         return stats
 
     def _holds(
         self, engine: Any, model: nn.Module, module: nn.Module, how: tuple[Any, ...]
     ) -> bool:
         """Whether ``engine`` holds ``module``'s current weights as synced with ``how``."""
-        now = (self._weight_changes(model), weight_version(engine), *how)
+        now = (self.weight_changes(model), weight_version(engine), *how)
         return not self._weights_discarded(engine) and self._engine_holds.get(module) == now
 
     def _weights_discarded(self, engine: Any) -> bool:
@@ -209,7 +209,7 @@ class WeightSync:
         self, engine: Any, model: nn.Module, module: nn.Module, how: tuple[Any, ...]
     ) -> None:
         """Record that ``engine`` now holds ``module``'s current weights, synced with ``how``."""
-        self._engine_holds[module] = (self._weight_changes(model), weight_version(engine), *how)
+        self._engine_holds[module] = (self.weight_changes(model), weight_version(engine), *how)
 
     def _held(
         self,
@@ -225,7 +225,7 @@ class WeightSync:
         and return the stats of a sync that sent nothing. None: sync."""
         if not self._holds(engine, model, module, how):
             return None
-        changes = self._weight_changes(model)
+        changes = self.weight_changes(model)
         if not skip:
             logger.info("update_engine_weights: the engine holds these weights already (%d "
                         "weight changes); sending them again (skip_unchanged=True skips such "

@@ -70,9 +70,14 @@ class EngineRanks:
     def close(self) -> None:
         """Tell every engine rank to shut its engine down and exit (trainer rank 0; no
         collective). An engine rank already gone is logged, not raised."""
-        channel, self.remote.channel = self.remote.channel, None
+        channel = self.remote.channel
         if channel is None:  # another trainer rank, or closed already
             return
+        try:  # a generation submitted and never collected answers first: read, dropped
+            self.remote._read_early()
+        except RuntimeError as exc:
+            logger.warning("a submitted generation was not read back at close: %s", exc)
+        self.remote.channel = None
         for to in range(1, channel.size):
             try:
                 channel.send(("close",), to)

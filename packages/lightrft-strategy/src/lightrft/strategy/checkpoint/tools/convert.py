@@ -223,8 +223,9 @@ def _copy_shared(source: Path, tag_dir: Path, *, copy_rng: bool) -> None:
     for name in (*SHARED_FILES, HF_CONFIG_FILE):
         if (source / name).is_file():
             shutil.copy2(source / name, tag_dir / name)
-    if copy_rng and (source / "rng").is_dir():
-        shutil.copytree(source / "rng", tag_dir / "rng", dirs_exist_ok=True)
+    for per_rank in ("rng", "rollouts") if copy_rng else ():  # (saved for the same world)
+        if (source / per_rank).is_dir():
+            shutil.copytree(source / per_rank, tag_dir / per_rank, dirs_exist_ok=True)
     if (source / TOKENIZER_DIR).is_dir():
         shutil.copytree(source / TOKENIZER_DIR, tag_dir / TOKENIZER_DIR, dirs_exist_ok=True)
 
