@@ -8,7 +8,9 @@ DeepSpeed ZeRO-2 and ZeRO-3 and its facts are checked: the rollout returns each 
 its prompts with the engine's greedy continuation, the sync sends Hugging Face names
 and the engine then computes the trainer's log-probabilities, the checkpoint of
 ``actor.model`` resumes exactly with its optimizer and scheduler, and the export loads
-in transformers with the trainer's logits.
+in transformers with the trainer's logits. The GRPO flow runs unchanged with the
+engine on a rank of its own too (``engine_placement: separate``, 2 trainer ranks and 1
+engine rank).
 """
 
 from __future__ import annotations
@@ -62,16 +64,53 @@ def check_grpo_facts(ranks: list[dict[str, Any]]) -> None:
     assert gap < 1e-5 and encoded == [3, 5]
 
 
-def _replay(flow: Any, backend: dict[str, Any], tmp_path: Path) -> list[dict[str, Any]]:
-    """``flow`` on 2 ranks of ``backend``, on a tiny Qwen2 saved as a model directory."""
+def _replay(
+    flow: Any, backend: dict[str, Any], tmp_path: Path, ranks: int = 2
+) -> list[dict[str, Any]]:
+    """``flow`` on ``ranks`` ranks of ``backend``, on a tiny Qwen2 saved as a model
+    directory."""
     model_dir = str(save_tiny_qwen2(tmp_path / "qwen2"))
-    return run_distributed(flow, 2, backend, model_dir, str(tmp_path / "run"),
+    return run_distributed(flow, ranks, backend, model_dir, str(tmp_path / "run"),
                            init_process_group=False, timeout=500)  # fmt: skip
+
+
+def replay_grpo_or_serve(
+    strategy_args: dict[str, Any], model_dir: str, workdir: str
+) -> dict[str, Any]:
+    """Upstream's GRPO flow on a trainer rank; on an engine rank (it never returns from
+    ``get_strategy``), the code it exited with once the trainers closed."""
+    try:
+        return replay_grpo(strategy_args, model_dir, workdir)
+    except SystemExit as exc:
+        return {"engine_rank_exit": exc.code}
 
 
 @pytest.mark.parametrize("backend", list(BACKENDS.values()))
 def test_upstream_grpo_flow_on_two_ranks(backend: dict[str, Any], tmp_path: Path) -> None:
     check_grpo_facts(_replay(replay_grpo, backend, tmp_path))
+
+
+@pytest.mark.parametrize(
+    "backend",
+    [
+        pytest.param({"backend": "fsdp2", "fsdp": True}, id="fsdp2"),
+        pytest.param(
+            {"backend": "deepspeed", "zero_stage": 3}, id="zero3", marks=pytest.mark.deepspeed
+        ),
+    ],
+)
+def test_upstream_grpo_flow_with_the_engine_on_a_rank_of_its_own(
+    backend: dict[str, Any], tmp_path: Path
+) -> None:
+    """train_colocate.py's calls, unchanged, on a 3-rank job with engine_placement
+    separate: the 2 trainer ranks show every fact of the colocated replay (their
+    rollouts come from the engine rank, the sync reaches it and verifies), and the
+    engine rank exits 0 when the trainers close."""
+    separate = {**backend, "engine_placement": "separate"}
+    *trainers, engine = _replay(replay_grpo_or_serve, separate, tmp_path, ranks=3)
+    assert engine == {"engine_rank_exit": 0}
+    assert [facts["rank"] for facts in trainers] == [0, 1]
+    check_grpo_facts(trainers)
 
 
 @pytest.mark.parametrize("backend", list(BACKENDS.values()))
