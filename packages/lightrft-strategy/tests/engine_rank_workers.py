@@ -167,3 +167,35 @@ def staleness_case(cfg: dict[str, Any], model_dir: str, steps: int) -> dict[str,
     state = strategy.full_state_dict(actor)
     strategy.close()
     return {**record, "state": {k: v.clone() for k, v in state.items()} if rank == 0 else None}
+
+
+def adapter_sync_case(cfg: dict[str, Any], model_dir: str) -> dict[str, Any]:
+    """A LoRA actor trained on the trainer ranks whose adapter alone is synced to the
+    engine rank (``lora_sync="adapter"``; the fake engine there serves adapters and
+    samples from the saved base model), three verified rounds, then greedy generation;
+    then the engine ranks' engine rebuilt as the HF engine, which serves no adapters."""
+    from lightrft.strategy.lora import LoraError
+
+    from .lora_workers import _from_saved_base, _train_sync_generate
+
+    try:
+        lora = {"lora_sync": "adapter", "lora_rank": 4}
+        options = {"engine_options": {"serves_adapters": True}}
+        strategy = get_strategy({**cfg, "pretrain": model_dir, **lora, **options})
+    except SystemExit as exc:  # an engine rank: it served until the trainers closed
+        return {"engine_rank_exit": exc.code}
+    model = _from_saved_base(strategy, model_dir, cfg["seed"])
+    optim = strategy.create_optimizer(model)
+    model, optim, sched = strategy.prepare((model, optim, None))
+    strategy.setup_inference_engine(None, "fake")
+    stats, out = _train_sync_generate(strategy, model, optim, sched)
+    full = strategy.full_state_dict(model)
+    errors = {}
+    strategy.setup_inference_engine(None, "hf")
+    try:
+        strategy.update_engine_weights(model)
+    except LoraError as exc:
+        errors["no_adapters"] = str(exc)
+    strategy.close()
+    return {"generated": [o.output_token_ids for o in out], "stats": stats, "full": full,
+            "errors": errors}  # fmt: skip

@@ -165,3 +165,38 @@ def test_the_roles_of_a_job_and_what_is_not_built_yet() -> None:
     wide = StrategyConfig(engine_placement="separate", engine_ranks=2, engine_tp_size=2)
     with pytest.raises(ConfigError, match=r"engine_tp_size=2.*set engine_tp_size=1"):
         Role.of(wide, job[0])
+
+
+def test_a_lora_adapter_alone_reaches_the_engine_rank(tmp_path: Path) -> None:
+    """lora_sync adapter with the engine on a rank of its own: each sync sends the
+    adapter's tensors alone to the engine rank, which then generates what the merged
+    trained model generates greedily; an engine there that serves no adapters (HF) is
+    named on the trainers, with the fix."""
+    from transformers import AutoModelForCausalLM
+
+    from lightrft.strategy.lora import apply_lora
+    from lightrft.testing.models import greedy_reference, save_tiny_qwen2
+
+    from .lora_workers import LORA, PROBE
+    from .lora_workers import config as lora_config
+
+    model_dir = str(save_tiny_qwen2(tmp_path / "qwen2"))
+    cfg = lora_config(engine_type="fake", engine_placement="separate")
+    *trainers, engine = run_distributed(
+        workers.adapter_sync_case, 3, cfg, model_dir, init_process_group=False, timeout=240
+    )
+    assert engine == {"engine_rank_exit": 0}
+    trained = apply_lora(AutoModelForCausalLM.from_pretrained(model_dir), **LORA)
+    trained.load_state_dict(trainers[0]["full"])
+    adapter = {n: p for n, p in trained.named_parameters() if ".lora_" in n}
+    merged = trained.merge_and_unload().eval()
+    assert [r["generated"][0] for r in trainers] == greedy_reference(merged, PROBE, 6)
+    for r in trainers:
+        for stats in r["stats"]:
+            assert stats["lora"] == "adapter" and stats["tensors"] == len(adapter)
+            assert stats["bytes"] == 4 * sum(p.numel() for p in adapter.values())
+            assert stats["max_logprob_gap"] < 1e-3
+        assert "HFEngine on the engine ranks cannot serve LoRA adapters" in r["errors"][
+            "no_adapters"
+        ]
+        assert "set lora_sync='merged'" in r["errors"]["no_adapters"]

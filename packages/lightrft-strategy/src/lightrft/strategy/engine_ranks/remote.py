@@ -11,7 +11,7 @@ prompt, an engine's failure, an engine rank gone) is raised on every trainer ran
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from lightrft.strategy import roll_call
 from lightrft.strategy.engine_link.common import protocol_module
+from lightrft.strategy.lora import LoraError
 
 if TYPE_CHECKING:
     from lightrft.strategy.engine_ranks.channel import Channel
@@ -162,6 +163,35 @@ class RemoteEngine:
             outcome = ("ok", None)
             if self.channel is not None:
                 outcome = self._guarded("update_weights", lambda: self._ask_all(("finish",)))
+        self._raise(self._share(outcome))
+        self._version += 1
+
+    def load_adapter(
+        self, tensors: Mapping[str, torch.Tensor], settings: Mapping[str, Any]
+    ) -> None:
+        """A LoRA adapter alone (``lora_sync="adapter"``), from trainer rank 0 to every
+        engine rank, whose engine takes it (``load_adapter``); counts as a sync.
+        Collective over the trainer ranks."""
+        if not self.info.get("serves_adapters"):
+            raise LoraError(
+                f"lora_sync='adapter': {self.info.get('name', 'the engine')} on the engine "
+                "ranks cannot serve LoRA adapters (it has no load_adapter); set "
+                "lora_sync='merged' to send base + adapter merged under the base model's "
+                "names, which every engine takes"
+            )
+        outcome: tuple[str, Any] = ("ok", None)
+        if self.channel is not None:
+            channel, names = self.channel, list(tensors)
+            values = [tensors[name] for name in names]
+
+            def send() -> list[Any]:
+                for to in range(1, channel.size):
+                    channel.send(("adapter", names, channel.layout(values), dict(settings)), to)
+                    channel.send_tensors(values, to)
+                self._read_early()  # a generation in flight answers first
+                return [self._answer(channel.receive(i), i) for i in range(1, channel.size)]
+
+            outcome = self._guarded("load_adapter", send)
         self._raise(self._share(outcome))
         self._version += 1
 

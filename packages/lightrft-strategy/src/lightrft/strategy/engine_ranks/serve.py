@@ -36,6 +36,7 @@ def engine_info(engine: Any) -> dict[str, Any]:
         if isinstance(engine, offered.ComputeDtype)
         else "float32",
         "weight_shapes": None if shapes is None else {k: tuple(v) for k, v in shapes.items()},
+        "serves_adapters": isinstance(engine, offered.AdapterSync),
     }
 
 
@@ -61,6 +62,10 @@ class Server:
             if kind == "update":  # a bucket: its tensors follow; errors wait for finish
                 tensors = self.channel.receive_tensors(request[2], TRAINER)
                 self._load(list(zip(request[1], tensors, strict=True)))
+            elif kind == "adapter":  # a LoRA adapter alone: its tensors follow
+                tensors = self.channel.receive_tensors(request[2], TRAINER)
+                self._reply(self._adapter, dict(zip(request[1], tensors, strict=True)),
+                            request[3])  # fmt: skip
             elif kind == "close":  # the trainers closed their strategy
                 self._reply(self._shutdown)
                 for work, _ in self._in_flight:
@@ -109,6 +114,11 @@ class Server:
         if error is not None:
             raise RuntimeError(f"a bucket of this sync failed: {error}")
         self.engine.finish_weight_update()
+        self.weight_version += 1
+        return self.weight_version
+
+    def _adapter(self, tensors: dict[str, Any], settings: dict[str, Any]) -> int:
+        self.engine.load_adapter(tensors, settings)
         self.weight_version += 1
         return self.weight_version
 
