@@ -2,7 +2,8 @@
 one vLLM tensor-parallel group across both, RL from the warm-up's model
 (examples/warm_start.py). The training reward rises, vLLM's log-probs of what it
 sampled match the trainer's, and --resume reproduces the uninterrupted run step for
-step."""
+step. vLLM also serves from a rank of its own (engine_placement separate), one step
+off, with a LoRA adapter sent alone."""
 
 from __future__ import annotations
 
@@ -83,3 +84,27 @@ def test_rl_with_vllm_trains_a_lora_adapter_sent_alone(warm_model: Path, tmp_pat
     ])  # fmt: skip
     accuracy = _accuracy(rows)
     assert accuracy[20] > accuracy[0], accuracy
+
+
+def test_vllm_on_a_rank_of_its_own_one_step_off_with_a_lora_adapter(
+    warm_model: Path, tmp_path: Path
+) -> None:
+    """--engine_placement separate --max_staleness 1: rank 0 trains a LoRA adapter,
+    rank 1 serves vLLM, which gets the adapter alone every step (each sync verified)
+    and generates the next step's rollouts while rank 0 trains; every process exits 0
+    and the rollouts are one version behind."""
+    args = ["--backend", "fsdp2", "--engine_type", "vllm", "--engine_max_model_len", "32",
+            "--sft-steps", "0", "--min-gain", "-1", "--recipe", "demo", "--pretrain",
+            str(warm_model), "--steps", "8", "--eval-every", "8", "--engine_placement",
+            "separate", "--max_staleness", "1", "--lora_rank", "8", "--lora_alpha", "32",
+            "--rl-learning-rate", "2e-3", "--lora_sync", "adapter", "--verify_engine_sync",
+            "--out", str(tmp_path)]  # fmt: skip
+    run_torchrun(GRPO, *args, timeout=800)  # (raises when a rank exits non-zero)
+    rl = _metrics(tmp_path)[1:]
+    assert [r["weight_lag"] for r in rl] == [0] + [1] * 7
+    assert [r["weight_version"] for r in rl] == list(range(1, 9))  # a sync every step
+    # the first step's engine holds the model already (nothing sent); each later sync
+    # moves the adapter alone, a small share of the model's bytes
+    sent = [r["sync_bytes"] for r in rl]
+    model_bytes = (warm_model / "model.safetensors").stat().st_size
+    assert sent[0] == 0 and len(set(sent[1:])) == 1 and 0 < sent[1] < model_bytes / 4, sent
