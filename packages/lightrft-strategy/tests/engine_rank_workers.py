@@ -199,3 +199,30 @@ def adapter_sync_case(cfg: dict[str, Any], model_dir: str) -> dict[str, Any]:
     strategy.close()
     return {"generated": [o.output_token_ids for o in out], "stats": stats, "full": full,
             "errors": errors}  # fmt: skip
+
+
+def cuda_channel_case(cfg: dict[str, Any], model_dir: str) -> dict[str, Any]:
+    """One trainer rank and one engine rank on their own GPUs: a trained model's sync
+    goes over the NCCL channel, verified; greedy generation after it."""
+    from lightrft.engines import SamplingParams
+
+    made = _trainer(cfg, model_dir)
+    if isinstance(made, dict):
+        return made
+    strategy, actor, optim, sched = made
+    verified_before = strategy.verify_engine_weights(actor)["max_logprob_gap"]
+    _train(strategy, actor, optim, sched, steps=2)
+    stats = strategy.update_engine_weights(actor, verify=True)
+    greedy = SamplingParams(max_new_tokens=4, temperature=0.0)
+    outputs = strategy.gather_and_generate(PROMPTS[0], greedy)
+    channel = strategy.engine_link.remote.channel
+    result = {
+        "channel_device": str(channel.device),
+        "channel_backend": type(channel._tensors).__name__,
+        "verified_before": verified_before,
+        "sync_gap": stats["max_logprob_gap"],
+        "tensors": stats["tensors"],
+        "generated": [o.output_token_ids for o in outputs],
+    }
+    strategy.close()
+    return result

@@ -171,3 +171,29 @@ def test_packed_rows_with_flash_attention_varlen_keep_samples_apart() -> None:
     for i, (x, y) in enumerate(zip(packed.split(got), packed.split(after), strict=True)):
         if i:
             assert torch.equal(x, y), f"sample {i} saw sample 0's tokens"
+
+
+def test_weights_reach_an_engine_rank_over_nccl(tmp_path: Path) -> None:
+    """engine_placement separate on CUDA: 1 trainer rank and 1 engine rank on their own
+    GPUs; the weight buckets go over the channel's NCCL group, device to device, and
+    every sync verifies."""
+    from lightrft.testing.models import tiny_hf_causal_lm
+
+    from . import engine_rank_workers
+
+    if _gpus() < 2:
+        pytest.skip("needs 2 GPUs (a trainer rank and an engine rank)")
+    model_dir = tmp_path / "tiny_lm"
+    torch.manual_seed(0)
+    tiny_hf_causal_lm().save_pretrained(model_dir)
+    cfg = engine_rank_workers.separate_config(str(model_dir), device="cuda")
+    trainer, engine = run_distributed(
+        engine_rank_workers.cuda_channel_case, 2, cfg, str(model_dir),
+        init_process_group=False, timeout=300,
+    )  # fmt: skip
+    assert engine == {"engine_rank_exit": 0}
+    assert trainer["channel_device"].startswith("cuda")
+    assert trainer["channel_backend"] == "ProcessGroupNCCL"
+    assert trainer["tensors"] > 0
+    assert trainer["verified_before"] < 1e-3 and trainer["sync_gap"] < 1e-3
+    assert all(len(out) == 4 for out in trainer["generated"])

@@ -208,10 +208,10 @@ class StrategyBase(UpstreamAttributes, UpstreamEngineCalls):
                     roll_call.RollCall(store, ranks.rank, ranks.world_size, timeout)
                 )
         if role is not None and role.serves:
-            engine_ranks.serve(role)  # until the trainers close; exits the process
+            engine_ranks.serve(role, device)  # until the trainers close; exits the process
         self._finish_setup(ranks, device, job_size=launch.world_size)
         if role is not None:
-            self._engine_ranks = engine_ranks.EngineRanks(role, self.world, timeout)
+            self._engine_ranks = engine_ranks.EngineRanks(role, self.world, timeout, device)
             self.engine_link.remote = self._engine_ranks.remote
 
     def _finish_setup(

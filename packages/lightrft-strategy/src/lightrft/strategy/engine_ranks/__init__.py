@@ -16,7 +16,7 @@ One ``torchrun`` job holds both roles: its first ranks train, its last
   status 0, so a script written for colocated engines needs no change.
 
 Trainer rank 0 and the engine ranks share a gloo channel (:mod:`.channel`) for
-prompts, outputs and weight buckets.
+prompts, outputs and weight buckets (on CUDA the buckets go over NCCL).
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ import socket
 import sys
 from typing import TYPE_CHECKING, NoReturn
 
+import torch
 import torch.distributed as dist
 
 from lightrft.strategy import distributed, roll_call
@@ -58,10 +59,16 @@ class EngineRanks:
     """The trainer ranks' side: the remote engine, and telling the engine ranks to
     exit when the strategy closes (trainer rank 0 speaks for all)."""
 
-    def __init__(self, role: Role, world: World, timeout: datetime.timedelta) -> None:
+    def __init__(
+        self,
+        role: Role,
+        world: World,
+        timeout: datetime.timedelta,
+        device: torch.device | None = None,
+    ) -> None:
         self.role = role
         channel = (
-            Channel(0, 1 + role.engines, _trainer_timeout(timeout))
+            Channel(0, 1 + role.engines, _trainer_timeout(timeout), device)
             if role.channel_rank == 0
             else None
         )
@@ -90,13 +97,13 @@ class EngineRanks:
                 )
 
 
-def serve(role: Role) -> NoReturn:
+def serve(role: Role, device: torch.device | None = None) -> NoReturn:
     """An engine rank's life: serve the trainers until they close, then exit 0 (1
     when trainer rank 0 is gone without closing)."""
     store = distributed.group_store("engine-hosts/")
     if store is not None:
         store.set(str(role.job.rank), f"{socket.gethostname()} {os.getpid()}")
-    channel = Channel(role.channel_rank or 1, 1 + role.engines, _IDLE)
+    channel = Channel(role.channel_rank or 1, 1 + role.engines, _IDLE, device)
     server = Server(channel)
     code = 0
     try:

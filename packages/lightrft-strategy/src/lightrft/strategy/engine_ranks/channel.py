@@ -1,6 +1,8 @@
 """The channel between trainer rank 0 and the engine ranks: a gloo group of their own
 (channel rank 0 is trainer rank 0, channel rank ``1 + i`` engine rank ``i``), carrying
-pickled messages and buckets of tensors, each bucket as one flat buffer."""
+pickled messages and buckets of tensors, each bucket as one flat buffer. On CUDA the
+buckets go over an NCCL group of the same members instead (GPU to GPU, as verl's and
+OpenRLHF's weight broadcasts do), the messages still over gloo."""
 
 from __future__ import annotations
 
@@ -25,12 +27,27 @@ class Channel:
         timeout: how long a receive waits for its sender.
     """
 
-    def __init__(self, rank: int, size: int, timeout: datetime.timedelta) -> None:
+    def __init__(
+        self,
+        rank: int,
+        size: int,
+        timeout: datetime.timedelta,
+        device: torch.device | None = None,
+    ) -> None:
         store = distributed.group_store("engine-channel/")
-        if store is None:
+        nccl_store = distributed.group_store("engine-channel-nccl/")
+        if store is None or nccl_store is None:
             raise RuntimeError("the engine channel needs the job's process group first")
         self.rank, self.size, self.timeout = rank, size, timeout
         self._group: Any = dist.ProcessGroupGloo(store, rank, size, timeout)
+        #: Where buckets travel: this process's CUDA device over NCCL, else host memory.
+        self.device = torch.device("cpu")
+        self._tensors: Any = self._group
+        if device is not None and device.type == "cuda":
+            options = dist.ProcessGroupNCCL.Options()
+            options._timeout = timeout
+            self._tensors = dist.ProcessGroupNCCL(nccl_store, rank, size, options)
+            self.device = device
 
     def send(self, message: Any, to: int, wait: bool = True) -> list[Any]:
         """Send a picklable ``message`` to channel rank ``to``. With ``wait=False`` the
@@ -62,9 +79,11 @@ class Channel:
     def send_tensors(self, tensors: list[torch.Tensor], to: int) -> None:
         """Send ``tensors`` to ``to`` as one flat buffer (their :meth:`layout` goes
         first, in a message)."""
-        flat = [t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8) for t in tensors]
+        flat = [
+            t.detach().to(self.device).contiguous().reshape(-1).view(torch.uint8) for t in tensors
+        ]
         if flat:
-            self._group.send([torch.cat(flat)], to, _TAG).wait()
+            self._tensors.send([torch.cat(flat)], to, _TAG).wait()
 
     def receive_tensors(self, layout: list[tuple[Any, ...]], sender: int) -> list[torch.Tensor]:
         """The tensors of one :meth:`send_tensors` from ``sender``, given their layout."""
@@ -74,8 +93,8 @@ class Channel:
         ]
         if not layout:
             return []
-        buffer = torch.empty(sum(sizes), dtype=torch.uint8)
-        self._receive(buffer, sender)
+        buffer = torch.empty(sum(sizes), dtype=torch.uint8, device=self.device)
+        self._tensors.recv([buffer], sender, _TAG).wait()
         out, start = [], 0
         for (shape, dtype), nbytes in zip(layout, sizes, strict=True):
             out.append(buffer[start : start + nbytes].view(dtype).reshape(shape))
