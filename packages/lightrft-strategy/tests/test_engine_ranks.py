@@ -150,6 +150,8 @@ def test_max_staleness_0_trains_as_colocated_and_1_runs_one_step_off(model_dir: 
 
 
 def test_the_roles_of_a_job_and_what_is_not_built_yet() -> None:
+    import dataclasses
+
     from lightrft.config import ConfigError, StrategyConfig
     from lightrft.strategy.distributed import LaunchEnv
     from lightrft.strategy.engine_ranks import Role
@@ -162,9 +164,15 @@ def test_the_roles_of_a_job_and_what_is_not_built_yet() -> None:
     ]  # fmt: skip
     assert roles[0] is not None and roles[0].engine_job_ranks == [2, 3]
     assert Role.of(StrategyConfig(), job[0]) is None  # colocated
+    # one tensor-parallel engine over every engine rank, or one engine per rank
     wide = StrategyConfig(engine_placement="separate", engine_ranks=2, engine_tp_size=2)
-    with pytest.raises(ConfigError, match=r"engine_tp_size=2.*set engine_tp_size=1"):
-        Role.of(wide, job[0])
+    wide_role = Role.of(wide, job[0])
+    assert wide_role is not None and wide_role.tp == 2
+    assert roles[0] is not None and roles[0].tp == 1
+    split = StrategyConfig(engine_placement="separate", engine_ranks=4, engine_tp_size=2)
+    with pytest.raises(ConfigError, match=r"engine_tp_size=2.*set engine_tp_size=1 or "
+                       r"engine_tp_size=4, or engine_ranks=2"):  # fmt: skip
+        Role.of(split, dataclasses.replace(job[0], world_size=6))
 
 
 def test_a_lora_adapter_alone_reaches_the_engine_rank(tmp_path: Path) -> None:

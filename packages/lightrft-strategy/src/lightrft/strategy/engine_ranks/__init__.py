@@ -72,7 +72,7 @@ class EngineRanks:
             if role.channel_rank == 0
             else None
         )
-        self.remote = RemoteEngine(world, channel, role.engine_job_ranks)
+        self.remote = RemoteEngine(world, channel, role.engine_job_ranks, role.tp)
 
     def close(self) -> None:
         """Tell every engine rank to shut its engine down and exit (trainer rank 0; no

@@ -45,10 +45,15 @@ class RemoteEngine:
     #: Generation is collective over the trainer ranks (a rank with no prompts too).
     collective = True
 
-    def __init__(self, world: World, channel: Channel | None, engine_ranks: list[int]) -> None:
+    def __init__(
+        self, world: World, channel: Channel | None, engine_ranks: list[int], per_engine: int = 1
+    ) -> None:
         self.world = world
         self.channel = channel
         self.engine_ranks = engine_ranks
+        #: engine ranks per engine (``engine_tp_size``): each rank of an engine gets its
+        #: prompts and generates them; the first one's outputs are kept
+        self.per_engine = per_engine
         self.info: dict[str, Any] = {}
         self._version = 0
         self._sync_error: tuple[str, Any] | None = None  # a bucket's failure
@@ -226,27 +231,30 @@ class RemoteEngine:
                     describe=lambda _, index=index, rank=rank: f"prompt {index} of rank {rank}",
                 )  # fmt: skip
         everything = [prompt for chunk in every for prompt in chunk]
-        engines = self.channel.size - 1
+        engines = (self.channel.size - 1) // self.per_engine
         per = -(-len(everything) // engines) if everything else 0
-        for i in range(engines):
-            self.channel.send(("generate", everything[i * per : (i + 1) * per], sampling), 1 + i)
+        for i in range(self.channel.size - 1):  # the ranks of an engine get its share
+            share = i // self.per_engine
+            self.channel.send(("generate", everything[share * per : (share + 1) * per],
+                               sampling), 1 + i)  # fmt: skip
 
     def _receive_outputs(self) -> list[Any]:
         assert self.channel is not None
         self._read_early()
         early, self._early = self._early, {}
-        outputs: list[Any] = []
-        for i in range(1, self.channel.size):
-            outputs += self._answer(early[i], i)
-        return outputs
+        senders = range(1, self.channel.size)
+        return self._engines_outputs([self._answer(early[i], i) for i in senders])
 
     def _answers(self) -> list[Any]:
         """Every engine rank's outputs of the request just sent, in prompt order."""
         assert self.channel is not None
-        outputs: list[Any] = []
-        for i in range(1, self.channel.size):
-            outputs += self._answer(self.channel.receive(i), i)
-        return outputs
+        answers = [self._answer(self.channel.receive(i), i) for i in range(1, self.channel.size)]
+        return self._engines_outputs(answers)
+
+    def _engines_outputs(self, answers: list[Any]) -> list[Any]:
+        """Every engine's outputs, in prompt order: the first rank's of each engine
+        (its other ranks generated the same, as tensor-parallel workers)."""
+        return [output for answer in answers[:: self.per_engine] for output in answer]
 
     def _read_early(self) -> None:
         """Read the submitted generation's answers (in order, before any later one)."""

@@ -23,32 +23,39 @@ class Role:
         trainers: the job's first ranks, which train (their process group is the
             default one: every collective of training stays among them).
         engines: the job's last ranks, which serve engines (a group of their own).
+        tp: engine ranks per engine (``engine_tp_size``).
     """
 
     job: LaunchEnv
     trainers: int
     engines: int
+    #: Engine ranks per engine: 1 (each serves its own) or all of them (one
+    #: tensor-parallel engine, whose ranks all generate every prompt it gets).
+    tp: int = 1
 
     @classmethod
     def of(cls, config: StrategyConfig, job: LaunchEnv) -> Role | None:
         """The role of this process, or None when engines are colocated."""
         if config.engine_placement != "separate":
             return None
-        if config.engine_tp_size > 1:
+        trainers = config.trainer_ranks(job.world_size)
+        engines, tp = job.world_size - trainers, config.engine_tp_size
+        if tp not in (1, engines):
             raise ConfigError(
                 [
                     ConfigProblem(
                         "engine_tp_size",
-                        config.engine_tp_size,
-                        "with engine_placement='separate' each engine rank serves a whole "
-                        "engine (tensor parallelism across engine ranks is not built yet)",
-                        fix="set engine_tp_size=1 (engine_ranks engines serve side by side), "
-                        "or use engine_placement=colocated",
+                        tp,
+                        f"with engine_placement='separate' the {engines} engine ranks serve "
+                        "one engine each (engine_tp_size=1) or one tensor-parallel engine "
+                        f"together (engine_tp_size={engines}); several tensor-parallel "
+                        "engines side by side are not built yet",
+                        fix=f"set engine_tp_size=1 or engine_tp_size={engines}, or "
+                        f"engine_ranks={tp}",
                     )
                 ]
             )
-        trainers = config.trainer_ranks(job.world_size)
-        return cls(job, trainers, job.world_size - trainers)
+        return cls(job, trainers, engines, tp)
 
     @property
     def serves(self) -> bool:
