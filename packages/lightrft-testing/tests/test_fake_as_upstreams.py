@@ -77,6 +77,29 @@ def test_production_sizes_are_simulated_in_one_process(caplog: pytest.LogCapture
     assert engine.generate_calls == 1
 
 
+def test_an_engine_of_its_own_is_simulated_in_one_process(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A trainer's real config with engine_placement separate (engine_ranks,
+    max_staleness) runs on the fake: the engine is this process's, a submitted step is
+    generated at collect from the newest weights, and its lag is 0."""
+    from lightrft.strategy import get_strategy
+
+    config = {"backend": "fake", "engine_placement": "separate", "engine_ranks": 2,
+              "max_staleness": 1, "train_batch_size": 4, "micro_train_batch_size": 2}  # fmt: skip
+    with caplog.at_level(logging.INFO, logger="lightrft.testing"):
+        strategy = get_strategy(config)
+    assert "engine_placement=separate simulated in one process" in caplog.text
+    assert strategy.config.engine_placement == "separate"  # as given
+    engine = strategy.setup_inference_engine(FakeEngine())
+    strategy.submit_generation([[1, 2], [3]], {"max_new_tokens": 2})
+    assert engine.generate_calls == 0  # generated at collect, from the newest weights
+    outputs = strategy.collect_generation()
+    assert [o.prompt_token_ids for o in outputs] == [[1, 2], [3]]
+    assert engine.generate_calls == 1 and strategy.rollout_lag(outputs) == 0
+    strategy.close()
+
+
 def test_engine_calls_carry_on_without_an_engine_as_upstreams_fake(
     caplog: pytest.LogCaptureFixture,
 ) -> None:

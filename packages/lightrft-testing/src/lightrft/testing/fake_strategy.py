@@ -19,7 +19,9 @@ Where it differs from the real backends:
 * production parallel sizes (``sp_size``, ``engine_tp_size`` above 1) are accepted
   and simulated: the process is one data-parallel rank whose sequence-parallel and
   engine groups are itself (logged once at setup), so a trainer's unit test can use its
-  real arguments;
+  real arguments; so is ``engine_placement: separate`` (with ``engine_ranks`` and
+  ``max_staleness``): the engine is this process's, and ``collect_generation``
+  generates from the newest weights (``rollout_lag`` 0);
 * ``setup_inference_engine()`` with nothing to build from (upstream's fake test calls
   ``setup_inference_engine(None)``) sets up a :class:`~lightrft.testing.FakeEngine`;
   ``engine_generate_local`` with no prompts returns ``[]``;
@@ -150,11 +152,17 @@ class FakeStrategy(StrategyBase):
         device = _distributed.resolve_device("cuda" if self.config.device == "cuda" else "cpu")
         sizes = {k: getattr(self.config, k) for k in SIMULATED_SIZES}
         simulated = {k: v for k, v in sizes.items() if v > 1}
-        self.world.sizes = self.config.model_copy(update=dict.fromkeys(simulated, 1))
+        update: dict[str, Any] = dict.fromkeys(simulated, 1)
+        if self.config.engine_placement == "separate":
+            # the engine is in this process: generation happens at collect_generation
+            update.update(engine_placement="colocated", engine_ranks=None, max_staleness=0)
+            simulated |= {"engine_placement": "separate"}
+        self.world.sizes = self.config.model_copy(update=update)
         if simulated:
             logger.info(
                 "FakeStrategy: %s simulated in one process (it is one data-parallel rank; "
-                "its sequence-parallel and engine groups are itself)",
+                "its sequence-parallel and engine groups are itself; an engine of its "
+                "own is this process's, generating at collect_generation: weight_lag 0)",
                 ", ".join(f"{k}={v}" for k, v in simulated.items()),
             )
         self.world.sizes.validate_world_size(1)

@@ -79,7 +79,7 @@ class Submitted:
             )
         if self._take_restored(prompts, sampling, sleep_engine):
             return
-        in_flight = self.world.config.max_staleness >= 1 and callable(
+        in_flight = self.world.sizes.max_staleness >= 1 and callable(
             getattr(engine, "submit", None)
         )
         if in_flight:  # (a refused prompt raises here, on every rank: nothing is pending)
@@ -100,7 +100,7 @@ class Submitted:
             outputs = list(engine.collect()) if ready is None else ready
             self._date_restored(outputs)
             lag = self.lag(outputs)
-            limit = self.world.config.max_staleness
+            limit = self.world.sizes.max_staleness
             if lag <= limit:
                 return outputs
             logger.warning(
