@@ -126,11 +126,15 @@ def lost_engine_case(cfg: dict[str, Any], model_dir: str, out: str) -> dict[str,
     return {"message": message}
 
 
-def staleness_case(cfg: dict[str, Any], model_dir: str, steps: int) -> dict[str, Any]:
+def staleness_case(
+    cfg: dict[str, Any], model_dir: str, steps: int, checkpoint: str | None = None
+) -> dict[str, Any]:
     """A loop written once for every placement: sync, collect this step's rollouts
     (submitted during the last step), submit the next step's, train on this step's
     completions. Returns per step the rollouts, their weight versions and lag, the
-    loss, and rank 0's final parameters."""
+    loss, and rank 0's final parameters. With ``checkpoint`` (a directory), step 2
+    ends with a save (the last step's rollouts in flight); after the loop, with other
+    prompts in flight, the run loads it and redoes the last step ("resumed")."""
     from lightrft.engines import SamplingParams
 
     made = _trainer(cfg, model_dir)
@@ -164,9 +168,25 @@ def staleness_case(cfg: dict[str, Any], model_dir: str, steps: int) -> dict[str,
         strategy.backward(loss, actor, optim)
         strategy.optimizer_step(optim, actor, sched)
         record["loss"].append(float(loss.detach()))
+        if checkpoint is not None and step == 2:
+            strategy.save_ckpt(actor, checkpoint, tag="step2")
     state = strategy.full_state_dict(actor)
+    resumed: dict[str, Any] = {}
+    if checkpoint is not None:  # as a resumed run: load, sync, submit step 3 again
+        strategy.submit_generation(prompts(99), sampling(99))  # dropped by the load
+        strategy.load_ckpt(actor, checkpoint)
+        strategy.update_engine_weights(actor, skip_unchanged=True)
+        strategy.submit_generation(prompts(3), sampling(3))
+        outputs = strategy.collect_generation()
+        ids = torch.tensor([o.prompt_token_ids + o.output_token_ids for o in outputs])
+        loss = actor(input_ids=ids, labels=ids).loss
+        resumed = {"tokens": [o.output_token_ids for o in outputs],
+                   "lag": strategy.rollout_lag(outputs), "loss": float(loss.detach())}  # fmt: skip
+        strategy.submit_generation(prompts(4), sampling(4))  # the engine ranks' next
+        resumed["next"] = len(strategy.collect_generation())
     strategy.close()
-    return {**record, "state": {k: v.clone() for k, v in state.items()} if rank == 0 else None}
+    return {**record, "resumed": resumed,
+            "state": {k: v.clone() for k, v in state.items()} if rank == 0 else None}  # fmt: skip
 
 
 def adapter_sync_case(cfg: dict[str, Any], model_dir: str) -> dict[str, Any]:

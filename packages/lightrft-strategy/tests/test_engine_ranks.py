@@ -113,9 +113,12 @@ def test_a_killed_engine_rank_is_named_on_every_trainer_rank(
         assert "engine rank(s) [2] exited" in message, message
 
 
-def test_max_staleness_0_trains_as_colocated_and_1_runs_one_step_off(model_dir: str) -> None:
+def test_max_staleness_0_trains_as_colocated_and_1_runs_one_step_off(
+    model_dir: str, tmp_path: Path
+) -> None:
     """One trainer rank: colocated (1 rank), separate with max_staleness 0 and 1 (a
-    trainer and an engine rank), the same loop of submit/collect."""
+    trainer and an engine rank), the same loop of submit/collect; at 1 a checkpoint
+    holds the rollouts in flight."""
     steps = 3
     single = workers.separate_config(model_dir, train_batch_size=2, micro_train_batch_size=2)
     colocated = {k: v for k, v in single.items() if k != "engine_placement"}
@@ -138,7 +141,7 @@ def test_max_staleness_0_trains_as_colocated_and_1_runs_one_step_off(model_dir: 
     assert [set(v) for v in fresh["versions"]] == [{1}, {2}, {3}]
     ahead, _ = run_distributed(
         workers.staleness_case, 2, {**single, "max_staleness": 1}, model_dir, steps,
-        init_process_group=False, timeout=240,
+        str(tmp_path / "ckpt"), init_process_group=False, timeout=240,
     )  # fmt: skip
     # max_staleness 1: step s+1's rollouts were generated during step s's training,
     # from the weights before it: one version behind, and so lag 1
@@ -147,6 +150,11 @@ def test_max_staleness_0_trains_as_colocated_and_1_runs_one_step_off(model_dir: 
     assert ahead["lag"] == [0, 1, 1]
     assert ahead["logprobs"][0] == fresh["logprobs"][0]
     assert ahead["logprobs"][1] != fresh["logprobs"][1]  # the weights before step 1's update
+    # the checkpoint after step 2 held step 3's rollouts, in flight: loaded (other prompts
+    # in flight were dropped), step 3 gets those rollouts, one version behind, and the
+    # same loss
+    assert ahead["resumed"] == {"tokens": ahead["tokens"][2], "lag": 1,
+                                "loss": ahead["loss"][2], "next": 4}  # fmt: skip
 
 
 def test_the_roles_of_a_job_and_what_is_not_built_yet() -> None:

@@ -141,6 +141,8 @@ class Submitted:
         ``weight_changes`` is the model's count of weight changes as loaded."""
         self._restored = None if held is None else (held, weight_changes)
         if self._request is not None:  # the loop's own request is superseded by the load
+            if self._in_flight and self._ready is None and self.slot.engine is not None:
+                self.slot.engine.collect()  # the engine ranks' answers to it, dropped
             self._request, self._ready, self._age = None, None, None
 
     def _take_restored(self, prompts: Sequence[Any], sampling: Any, sleep_engine: bool) -> bool:
