@@ -136,6 +136,27 @@ def test_a_loader_created_after_loading_resumes_too(fsdp2: StrategyBase, tmp_pat
     assert late.state_dict()["consumed_samples"] == 6
 
 
+def test_a_planned_step_of_another_length_saved_and_loaded_plans_the_next(
+    fsdp2: StrategyBase, tmp_path: Path
+) -> None:
+    """A planned step of 3 micro-batches where the config accumulates 4 (a packed or
+    token-budget step): saved after its optimizer step and loaded, no accumulation is
+    under way, so the next step plans (the resume of a packed RL run)."""
+    model = fsdp2.prepare_model(workers.TinyRegressor(), is_training=True)
+    optim = fsdp2.create_optimizer(model)
+    assert fsdp2.accumulated_gradient == 4
+    plan = fsdp2.plan_micro_batches([3] * 6)  # 3 micro-batches of 2
+    with plan:
+        stepped = []
+        for _ in plan.micro_batches:
+            fsdp2.backward(model(torch.ones(2, workers.DIM)).sum(), model, optim)
+            stepped.append(fsdp2.optimizer_step(optim, model))
+    assert stepped == [False, False, True]
+    fsdp2.save_ckpt(model, tmp_path, tag="t")
+    fsdp2.load_ckpt(model, tmp_path)
+    assert fsdp2.plan_micro_batches([3] * 6).num_micro_batches == 3
+
+
 def test_rotation_never_deletes_the_checkpoint_latest_names(
     fsdp2: StrategyBase, tmp_path: Path
 ) -> None:

@@ -12,8 +12,9 @@ Inside a tag directory, besides what the backend writes (``backend.save_state``)
     rng/rank<r>.pt            every rank's RNG state (restored only at the same world size)
     dataloaders.json          the state of each loader from setup_dataloader, in order
                               (rank 0)
-    steps.json                the model's step counters, global_steps and micro_steps
-                              (rank 0)
+    steps.json                the model's step counters, global_steps, micro_steps and
+                              accumulated (micro-steps since the last optimizer step;
+                              rank 0)
     client_state.pt           the caller's client_state (plain values only; rank 0)
     rollouts/rank<r>.pt       the rollouts in flight when it was saved (engine ranks of
                               their own, max_staleness >= 1: every trainer rank's
@@ -225,7 +226,12 @@ class CheckpointManager:
         step_state = subject.steps
         step_state.global_steps = int(steps["global_steps"])
         step_state.micro_steps = int(steps["micro_steps"])
-        step_state.accumulated = step_state.micro_steps % world.accumulated_gradient
+        # the accumulation under way (0 after an optimizer step); a planned step's
+        # micro-batches need not be the config's accumulation, so micro_steps modulo it
+        # is only the fallback, for checkpoints saved before the count was
+        step_state.accumulated = int(
+            steps.get("accumulated", step_state.micro_steps % world.accumulated_gradient)
+        )
         step_state.weight_changes += 1
         subject.restore_rollouts(_held_rollouts(info.path, info.metadata, rank, world))
         world.barrier()
@@ -336,5 +342,6 @@ def _write_rank0_pieces(
     _write_hf_config(subject.module, staging)
     loaders = [loader.state_dict() for loader in subject.loaders]
     (staging / "dataloaders.json").write_text(json.dumps(loaders))
-    steps = {"global_steps": subject.steps.global_steps, "micro_steps": subject.steps.micro_steps}
+    steps = {"global_steps": subject.steps.global_steps, "micro_steps": subject.steps.micro_steps,
+             "accumulated": subject.steps.accumulated}  # fmt: skip
     (staging / "steps.json").write_text(json.dumps(steps))
