@@ -17,7 +17,11 @@ from lightrft.config import ConfigError, StrategyConfig
         (
             {"engine_placement": "separate", "enable_engine_sleep": True},
             "enable_engine_sleep",
-            ["contradicts engine_placement='separate'", "set enable_engine_sleep=False"],
+            [
+                "contradicts engine_placement='separate'",
+                "set enable_engine_sleep=False",
+                "pass --disable_engine_sleep",
+            ],
         ),
         (
             {"engine_placement": "separate", "engine_ranks": 3, "engine_tp_size": 2},

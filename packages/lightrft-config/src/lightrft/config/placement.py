@@ -43,7 +43,8 @@ def placement_problems(config: StrategyConfig) -> list[ConfigProblem]:
                 True,
                 "contradicts engine_placement='separate': engines on their own ranks keep "
                 "their memory (sleep frees a colocated engine's memory for the trainer)",
-                fix="set enable_engine_sleep=False, or engine_placement=colocated",
+                fix="set enable_engine_sleep=False (upstream's train_colocate.py enables "
+                "it by default: pass --disable_engine_sleep), or engine_placement=colocated",
             )
         )
     engines = config.engine_ranks or 1

@@ -13,7 +13,8 @@ One ``torchrun`` job holds both roles: its first ranks train, its last
   ``verify_engine_weights`` keep their calls;
 * **engine ranks**: ``get_strategy()`` does not return on them. They serve
   (:mod:`.serve`) until the trainers close their strategy, then the process exits with
-  status 0, so a script written for colocated engines needs no change.
+  status 0, so a script written for colocated engines needs no change of code (its
+  settings: ``engine_placement: separate``, and no engine sleep).
 
 Trainer rank 0 and the engine ranks share a gloo channel (:mod:`.channel`) for
 prompts, outputs and weight buckets (on CUDA the buckets go over NCCL).
