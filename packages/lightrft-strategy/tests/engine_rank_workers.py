@@ -238,7 +238,7 @@ def cuda_channel_case(cfg: dict[str, Any], model_dir: str) -> dict[str, Any]:
     channel = strategy.engine_link.remote.channel
     result = {
         "channel_device": str(channel.device),
-        "channel_backend": type(channel._tensors).__name__,
+        "channel_transport": channel.transport,
         "verified_before": verified_before,
         "sync_gap": stats["max_logprob_gap"],
         "tensors": stats["tensors"],

@@ -193,7 +193,7 @@ def test_weights_reach_an_engine_rank_over_nccl(tmp_path: Path) -> None:
     )  # fmt: skip
     assert engine == {"engine_rank_exit": 0}
     assert trainer["channel_device"].startswith("cuda")
-    assert trainer["channel_backend"] == "ProcessGroupNCCL"
+    assert trainer["channel_transport"] == "nccl"
     assert trainer["tensors"] > 0
     assert trainer["verified_before"] < 1e-3 and trainer["sync_gap"] < 1e-3
     assert all(len(out) == 4 for out in trainer["generated"])

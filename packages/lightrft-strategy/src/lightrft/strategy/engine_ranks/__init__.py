@@ -81,8 +81,8 @@ class EngineRanks:
         channel = self.remote.channel
         if channel is None:  # another trainer rank, or closed already
             return
-        try:  # a generation submitted and never collected answers first: read, dropped
-            self.remote._read_early()
+        try:  # a generation submitted and never collected answers first
+            self.remote.drop_in_flight()
         except RuntimeError as exc:
             logger.warning("a submitted generation was not read back at close: %s", exc)
         self.remote.channel = None

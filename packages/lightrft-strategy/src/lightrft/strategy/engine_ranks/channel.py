@@ -40,14 +40,15 @@ class Channel:
             raise RuntimeError("the engine channel needs the job's process group first")
         self.rank, self.size, self.timeout = rank, size, timeout
         self._group: Any = dist.ProcessGroupGloo(store, rank, size, timeout)
-        #: Where buckets travel: this process's CUDA device over NCCL, else host memory.
-        self.device = torch.device("cpu")
+        #: Where buckets travel: this process's CUDA device over NCCL, else host memory
+        #: over gloo (``transport``).
+        self.device, self.transport = torch.device("cpu"), "gloo"
         self._tensors: Any = self._group
         if device is not None and device.type == "cuda":
             options = dist.ProcessGroupNCCL.Options()
             options._timeout = timeout
             self._tensors = dist.ProcessGroupNCCL(nccl_store, rank, size, options)
-            self.device = device
+            self.device, self.transport = device, "nccl"
 
     def send(self, message: Any, to: int, wait: bool = True) -> list[Any]:
         """Send a picklable ``message`` to channel rank ``to``. With ``wait=False`` the

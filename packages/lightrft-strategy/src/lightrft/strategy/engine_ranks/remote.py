@@ -256,6 +256,13 @@ class RemoteEngine:
         (its other ranks generated the same, as tensor-parallel workers)."""
         return [output for answer in answers[:: self.per_engine] for output in answer]
 
+    def drop_in_flight(self) -> None:
+        """Read and drop the answers of a generation submitted and never collected
+        (trainer rank 0, before the engine ranks are told to close)."""
+        if self.channel is not None:
+            self._read_early()
+            self._early, self._pending = {}, None
+
     def _read_early(self) -> None:
         """Read the submitted generation's answers (in order, before any later one)."""
         assert self.channel is not None
