@@ -157,7 +157,7 @@ def test_max_staleness_0_trains_as_colocated_and_1_runs_one_step_off(
                                 "loss": ahead["loss"][2], "next": 4}  # fmt: skip
 
 
-def test_the_roles_of_a_job_and_what_is_not_built_yet() -> None:
+def test_the_roles_of_a_job() -> None:
     import dataclasses
 
     from lightrft.config import ConfigError, StrategyConfig
@@ -167,20 +167,25 @@ def test_the_roles_of_a_job_and_what_is_not_built_yet() -> None:
     job = [LaunchEnv(r, r, 4, 4, "127.0.0.1", 0, "torchrun") for r in range(4)]
     config = StrategyConfig(engine_placement="separate", engine_ranks=2)
     roles = [Role.of(config, launch) for launch in job]
-    assert [(r.serves, r.rank, r.size, r.channel_rank) for r in roles if r] == [
-        (False, 0, 2, 0), (False, 1, 2, None), (True, 0, 2, 1), (True, 1, 2, 2)
+    # (serves, rank and size in its process group, its group, channel rank): each engine
+    # rank is an engine of its own
+    assert [(r.serves, r.rank, r.size, r.name, r.channel_rank) for r in roles if r] == [
+        (False, 0, 2, "trainers", 0), (False, 1, 2, "trainers", None),
+        (True, 0, 1, "engine0", 1), (True, 0, 1, "engine1", 2),
     ]  # fmt: skip
     assert roles[0] is not None and roles[0].engine_job_ranks == [2, 3]
     assert Role.of(StrategyConfig(), job[0]) is None  # colocated
-    # one tensor-parallel engine over every engine rank, or one engine per rank
-    wide = StrategyConfig(engine_placement="separate", engine_ranks=2, engine_tp_size=2)
-    wide_role = Role.of(wide, job[0])
-    assert wide_role is not None and wide_role.tp == 2
-    assert roles[0] is not None and roles[0].tp == 1
-    split = StrategyConfig(engine_placement="separate", engine_ranks=4, engine_tp_size=2)
-    with pytest.raises(ConfigError, match=r"engine_tp_size=2.*set engine_tp_size=1 or "
-                       r"engine_tp_size=4, or engine_ranks=2"):  # fmt: skip
-        Role.of(split, dataclasses.replace(job[0], world_size=6))
+    # engine_tp_size 2 over 4 engine ranks: two tensor-parallel engines, each of them
+    # its ranks' process group (its workers' world)
+    wide = StrategyConfig(engine_placement="separate", engine_ranks=4, engine_tp_size=2)
+    six = [dataclasses.replace(launch, rank=r, world_size=6) for r, launch in
+           enumerate(job + job[:2])]  # fmt: skip
+    engines = [Role.of(wide, launch) for launch in six][2:]
+    assert [(r.rank, r.size, r.name, r.channel_rank) for r in engines if r] == [
+        (0, 2, "engine0", 1), (1, 2, "engine0", 2), (0, 2, "engine1", 3), (1, 2, "engine1", 4)
+    ]  # fmt: skip
+    with pytest.raises(ConfigError, match=r"engine_tp_size=2 does not divide engine_ranks=3"):
+        StrategyConfig(engine_placement="separate", engine_ranks=3, engine_tp_size=2)
 
 
 def test_a_lora_adapter_alone_reaches_the_engine_rank(tmp_path: Path) -> None:

@@ -89,8 +89,34 @@ class RemoteEngine:
     def build(self, config: Any, engine_type: str | None, options: dict[str, Any]) -> None:
         """Build the engine on every engine rank (from the config, as it is now on
         trainer rank 0: paths set after the strategy was made, such as ``pretrain``,
-        reach the engine ranks). Collective over the trainer ranks."""
-        self.info = self._everyone("build", config, engine_type, options)[0]
+        reach the engine ranks). Collective over the trainer ranks.
+
+        Off CUDA several tensor-parallel engines are built one after another: vLLM's
+        CPU build names its shared-memory segments after the parallel group only, so
+        two such engines starting together would take the same names (each removes its
+        names once built)."""
+        request = ("build", config, engine_type, options)
+        outcome: tuple[str, Any] = ("ok", None)
+        if self.channel is not None:
+            channel = self.channel
+            in_turn = self.per_engine > 1 and channel.device.type != "cuda"
+            senders = list(range(1, channel.size))
+            groups = (
+                [senders[i : i + self.per_engine] for i in range(0, len(senders), self.per_engine)]
+                if in_turn
+                else [senders]
+            )
+
+            def ask() -> list[Any]:
+                answers = []
+                for group in groups:
+                    for to in group:
+                        channel.send(request, to)
+                    answers += [self._answer(channel.receive(i), i) for i in group]
+                return answers
+
+            outcome = self._guarded("build", ask)
+        self.info = self._raise(self._share(outcome))[0]
         self._version = 0
 
     def generate(self, prompts: Sequence[Any], sampling: Any = None) -> list[Any]:

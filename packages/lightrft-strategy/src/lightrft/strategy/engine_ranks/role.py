@@ -7,7 +7,6 @@ import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from lightrft.config import ConfigError, ConfigProblem
 from lightrft.strategy.distributed import LaunchEnv
 
 if TYPE_CHECKING:
@@ -22,15 +21,16 @@ class Role:
         job: the launcher's view of the whole job.
         trainers: the job's first ranks, which train (their process group is the
             default one: every collective of training stays among them).
-        engines: the job's last ranks, which serve engines (a group of their own).
+        engines: the job's last ranks, which serve engines (each engine's ranks a
+            group of their own).
         tp: engine ranks per engine (``engine_tp_size``).
     """
 
     job: LaunchEnv
     trainers: int
     engines: int
-    #: Engine ranks per engine: 1 (each serves its own) or all of them (one
-    #: tensor-parallel engine, whose ranks all generate every prompt it gets).
+    #: Engine ranks per engine (``engine_tp_size``): consecutive engine ranks make one
+    #: tensor-parallel engine, whose ranks all generate every prompt it gets.
     tp: int = 1
 
     @classmethod
@@ -38,24 +38,8 @@ class Role:
         """The role of this process, or None when engines are colocated."""
         if config.engine_placement != "separate":
             return None
-        trainers = config.trainer_ranks(job.world_size)
-        engines, tp = job.world_size - trainers, config.engine_tp_size
-        if tp not in (1, engines):
-            raise ConfigError(
-                [
-                    ConfigProblem(
-                        "engine_tp_size",
-                        tp,
-                        f"with engine_placement='separate' the {engines} engine ranks serve "
-                        "one engine each (engine_tp_size=1) or one tensor-parallel engine "
-                        f"together (engine_tp_size={engines}); several tensor-parallel "
-                        "engines side by side are not built yet",
-                        fix=f"set engine_tp_size=1 or engine_tp_size={engines}, or "
-                        f"engine_ranks={tp}",
-                    )
-                ]
-            )
-        return cls(job, trainers, engines, tp)
+        trainers = config.trainer_ranks(job.world_size)  # (the config checked the sizes)
+        return cls(job, trainers, job.world_size - trainers, config.engine_tp_size)
 
     @property
     def serves(self) -> bool:
@@ -63,18 +47,25 @@ class Role:
         return self.job.rank >= self.trainers
 
     @property
+    def engine_index(self) -> int:
+        """This engine rank among the engine ranks (0, 1, ...)."""
+        return self.job.rank - self.trainers
+
+    @property
     def name(self) -> str:
-        return "engines" if self.serves else "trainers"
+        """The name of this rank's process group: the trainers, or its engine's ranks
+        (each tensor-parallel engine has a group of its own: its workers' world)."""
+        return f"engine{self.engine_index // self.tp}" if self.serves else "trainers"
 
     @property
     def rank(self) -> int:
-        """This rank within its role's group."""
-        return self.job.rank - self.trainers if self.serves else self.job.rank
+        """This rank within its process group."""
+        return self.engine_index % self.tp if self.serves else self.job.rank
 
     @property
     def size(self) -> int:
-        """The ranks of this rank's role."""
-        return self.engines if self.serves else self.trainers
+        """The ranks of this rank's process group."""
+        return self.tp if self.serves else self.trainers
 
     @property
     def engine_job_ranks(self) -> list[int]:
@@ -86,7 +77,7 @@ class Role:
         """This rank in the channel between trainer rank 0 (0) and the engine ranks
         (1, 2, ...); None for the other trainer ranks, which are not in it."""
         if self.serves:
-            return 1 + self.rank
+            return 1 + self.engine_index
         return 0 if self.job.rank == 0 else None
 
     def launch(self) -> LaunchEnv:
