@@ -228,3 +228,27 @@ def from_pretrained_after_a_dropped_hf_config_case(model_dir: str) -> dict[str, 
     strategy.close()
     return {"enabled": enabled, "partitioned": partitioned,
             "sum": float(sum(v.double().sum() for v in full.values()))}  # fmt: skip
+
+
+def jit_ops_case(stage: int) -> dict[str, Any]:
+    """Build a strategy, train one step: which DeepSpeed ops the job built (under the
+    TORCH_EXTENSIONS_DIR the test gives), and whether DeepSpeed's communication layer
+    holds its shared-memory all-reduce op."""
+    import deepspeed.comm.comm as ds_comm
+
+    from lightrft.strategy.deepspeed import cpu_ops
+
+    strategy = get_strategy(ds(stage))
+    model, optim, sched = strategy.prepare_models_and_optimizers(
+        TinyRegressor(), None, None, None, max_steps=2
+    )[0]
+    _, x, y = next(iter(strategy.setup_dataloader(RegressionTask())))
+    for _ in range(strategy.accumulated_gradient):
+        strategy.backward(nn.functional.mse_loss(model(x), y), model, optim)
+        strategy.optimizer_step(optim, model, sched)
+    facts = {
+        "built": cpu_ops.built_ops(),
+        "shm_op_loaded": getattr(ds_comm.cdb, "shm_comm_op", None) is not None,
+    }
+    strategy.close()
+    return facts

@@ -116,6 +116,23 @@ def test_device_and_distributed_facts_are_torchs(report: dict[str, Any]) -> None
     assert device["auto"] == ("cuda" if HAS_CUDA else "cpu")
     assert device["distributed"]["gloo"] is dist.is_gloo_available()
     assert device["distributed"]["nccl"] is dist.is_nccl_available()
+    assert device["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
+
+
+def test_the_cpus_bf16_instructions_are_reported_as_the_cpu_flags_say(
+    report: dict[str, Any],
+) -> None:
+    """torch's check against the kernel's own flags (Linux), and the text line."""
+    flags: list[str] = []
+    if Path("/proc/cpuinfo").is_file():
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+        flags = next((line.split() for line in lines if line.startswith("flags")), [])
+        expected = "AVX512-BF16" if "avx512_bf16" in flags else None
+        expected = "AMX" if "amx_bf16" in flags else expected
+        assert report["device"]["cpu_bf16"] == expected
+    text = invoke("doctor").output
+    line = next(x for x in text.splitlines() if "bf16 matrix instructions" in x)
+    assert ("yes (" in line) is (report["device"]["cpu_bf16"] is not None), line
 
 
 def test_engines_are_checked_by_importing_them(report: dict[str, Any]) -> None:
@@ -279,4 +296,8 @@ def test_deepspeed_is_usable_with_its_version_and_can_be_configured() -> None:
     lines = text.stdout.splitlines()
     row = next(line for line in lines if line.strip().startswith("deepspeed "))
     assert row.split() == ["deepspeed", "usable", "deepspeed", metadata.version("deepspeed")]
+    notes = lines[lines.index(row) + 1 : lines.index(row) + 3]
+    assert "C++ ops a CPU job builds: none" in notes[0], notes
+    assert "C++ ops already built in " in notes[1], notes
+    assert deepspeed["notes"] == [" ".join(n.split()) for n in notes]
     assert "  ok: this combination can run here" in lines

@@ -32,6 +32,15 @@ PARITY = {
 _losses: dict[str, list[float]] = {}
 
 
+def test_a_cpu_job_builds_no_deepspeed_op(tmp_path: Path) -> None:
+    """DeepSpeed's communication layer JIT-compiles a shared-memory all-reduce op (only
+    AutoTP inference uses it) on first use: 38 s here on an empty extensions directory,
+    inside the first collective's timeout. A ZeRO-3 job on CPU builds none of it."""
+    env = {"TORCH_EXTENSIONS_DIR": str(tmp_path / "extensions")}
+    ranks = run_distributed(ds_workers.jit_ops_case, 2, 3, env=env, timeout=120)
+    assert ranks[0] == ranks[1] == {"built": [], "shm_op_loaded": False}
+
+
 @pytest.mark.parametrize("name", list(PARITY))
 def test_zero_stages_and_fsdp2_match_unsharded_training(name: str) -> None:
     cfg = workers.config(**PARITY[name])

@@ -67,6 +67,7 @@ class Component:
         provider: the distribution (with extra) that ships it.
         error: why it is not usable: the first line of the error, or the reason.
         install: what to install when it is not usable.
+        notes: what else a user of it should know here (DeepSpeed's C++ ops).
     """
 
     kind: str
@@ -77,6 +78,7 @@ class Component:
     provider: str | None
     error: str | None = None
     install: str | None = None
+    notes: list[str] = field(default_factory=list)
 
     @property
     def usable(self) -> bool:
@@ -196,8 +198,12 @@ def device_facts() -> dict[str, Any]:
     for name in ("gloo", "nccl", "mpi", "ucc", "xccl"):
         probe = getattr(dist, f"is_{name}_available", None)
         backends[name] = bool(available and probe is not None and probe())
+    from lightrft.strategy.precision import cpu_bf16_kernels
+
     return {
         "torch": torch.__version__,
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "cpu_bf16": cpu_bf16_kernels(),
         "cuda_build": torch.version.cuda,
         "hip_build": getattr(torch.version, "hip", None),
         "cuda_available": has_cuda,
@@ -266,8 +272,24 @@ def check_backends() -> list[Component]:
                 registry.get_backend(name)
         except Exception as exc:
             _refuse(component, exc, install)
+        if name == "deepspeed" and component.usable:
+            component.notes = deepspeed_op_notes()
         components.append(component)
     return components
+
+
+def deepspeed_op_notes() -> list[str]:
+    """What DeepSpeed compiles here: nothing a CPU job needs (the backend turns off the
+    shared-memory all-reduce op, :mod:`lightrft.strategy.deepspeed.cpu_ops`), and the
+    ops already built in torch's extensions directory."""
+    from lightrft.strategy.deepspeed import cpu_ops
+
+    built = ", ".join(cpu_ops.built_ops()) or "none"
+    return [
+        "C++ ops a CPU job builds: none (the shared-memory all-reduce op, used only by "
+        "AutoTP inference, is turned off)",
+        f"C++ ops already built in {cpu_ops.extensions_dir()}: {built}",
+    ]
 
 
 def engine_install(name: str, has_cuda: bool, provider: str | None) -> str | None:
@@ -431,6 +453,7 @@ def _component_lines(title: str, components: Sequence[Component]) -> list[str]:
         lines.append(f"  {c.name:<{width}}  {c.status:<8}  {detail}".rstrip())
         if not c.usable and c.install:
             lines.append(f"{indent}install: {c.install}")
+        lines += [f"{indent}{note}" for note in c.notes]
     return lines
 
 
@@ -451,6 +474,13 @@ def _device_lines(facts: Mapping[str, Any]) -> list[str]:
     else:
         lines.append("  CUDA available: no (torch.cuda.is_available() is False)")
     lines.append(f"  device 'auto' runs on: {facts['auto']}")
+    kernels = facts["cpu_bf16"]
+    bf16 = (
+        f"yes ({kernels}): precision bf16 computes in bf16 on the CPU, fp32 master weights"
+        if kernels
+        else "no (no AMX or AVX512-BF16): on the CPU bf16 is emulated, fp32 runs faster"
+    )
+    lines.append(f"  CPU: {facts['cpu_capability']} kernels; bf16 matrix instructions: {bf16}")
     if facts["distributed_available"]:
         found = ", ".join(f"{k} {'yes' if v else 'no'}" for k, v in facts["distributed"].items())
         lines.append(f"  torch.distributed backends: {found}")

@@ -30,7 +30,7 @@ from lightrft.strategy import roll_call
 from lightrft.strategy.actor import training_module, unwrap_model
 from lightrft.strategy.backend import Backend, Triple
 from lightrft.strategy.checkpoint.layout import METADATA_FILE, CheckpointError
-from lightrft.strategy.deepspeed import ds_config, safe_checkpoint
+from lightrft.strategy.deepspeed import cpu_ops, ds_config, safe_checkpoint
 from lightrft.strategy.lora import lora_init_on_full_tensors
 from lightrft.strategy.optim import build_adamw
 from lightrft.strategy.precision import compute_dtype
@@ -151,6 +151,8 @@ class DeepSpeedBackend(Backend):
         # it back at close.
         self._set_local_rank = "LOCAL_RANK" not in os.environ
         os.environ.setdefault("LOCAL_RANK", str(self.world.launch.local_rank))
+        if self.device.type != "cuda":  # a C++ op only AutoTP inference uses: not built
+            cpu_ops.skip_shm_comm_op()
         # DeepSpeed's communication layer wraps the process group made by the base class.
         deepspeed.init_distributed(dist_backend=dist.get_backend(), dist_init_required=False)
         self.train_config()  # a bad overlay fails here, before any model is built
