@@ -97,7 +97,18 @@ def read_problems(path: Path) -> list[dict[str, Any]]:
     for number, line in enumerate(path.read_text().splitlines(), 1):
         if not line.strip():
             continue
-        row = json.loads(line)
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise ValueError(
+                f"{path}:{number}: not a JSON object ({exc.msg} at column {exc.colno}); "
+                'write one problem a line: {"prompt": "...", "answer": 42}'
+            ) from None
+        if not isinstance(row, dict):
+            raise ValueError(
+                f"{path}:{number}: a problem is a JSON object, got {type(row).__name__}; "
+                'write one problem a line: {"prompt": "...", "answer": 42}'
+            )
         answer = row.get("answer")
         value = answer if isinstance(answer, int) else integer_answer(str(answer))
         if "prompt" not in row or value is None:

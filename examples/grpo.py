@@ -19,8 +19,10 @@ on. Each GRPO step:
    ``--kl-coef`` > 0 a KL term to the frozen reference model is added. The step's
    samples go through the trainer in the micro-batches ``strategy.plan_micro_batches``
    plans: packed rows under ``max_tokens_per_gpu`` tokens (``packing_samples``, the
-   default here), the loss a token mean over the whole step
-   (``strategy.backward`` / ``optimizer_step``, one optimizer step per RL step).
+   default here), the loss GRPO's own (``loss_agg_mode: seq-mean-token-mean``: each
+   completion's token mean, then their mean over the step), through
+   ``strategy.backward`` / ``optimizer_step``, one optimizer step per RL step. A step
+   whose advantages are all zero on every rank has no policy gradient and is skipped.
 
 Only the public API is used, so the same file runs on every strategy and engine the
 configuration selects (``--backend fsdp2|deepspeed|fake``, ``--zero_stage``,
@@ -31,7 +33,9 @@ set, else ``--held-out`` problems of ``--prompts`` are kept aside). The run dire
 (``--out``) gets ``metrics.jsonl``, TensorBoard logs (``use_tensorboard``), ``plot.png``
 and rotated checkpoints; ``--resume`` continues from the latest checkpoint with the
 same per-step metrics as an uninterrupted run (``--stop-after N`` stops after step N as
-an interruption would). It exits 1 unless RL raised held-out accuracy by ``--min-gain``.
+an interruption would). Exit status: 0 when the run finished; 1 when a gain check was
+asked for (``--min-gain``, the built-in demo's 0.1 by default) and RL fell short; 2 for
+bad input (a config value, a flag, a problem file, a model directory), named in one line.
 
     torchrun --nproc-per-node 2 examples/grpo.py            # the default: 2 ranks, FSDP2, HF
     python examples/grpo.py --backend fake --engine_type fake --steps 5
@@ -42,6 +46,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 import time
 from pathlib import Path
@@ -76,13 +81,20 @@ from prompting import PromptEncoder, stop_ids  # noqa: E402
 #: default), completions of up to 512 tokens (TRL's max_completion_length), and no
 #: gain check (a user's run reports its gain and exits 0).
 RECIPES: dict[str, dict[str, Any]] = {
-    "demo": {"sft_learning_rate": 1e-3, "rl_learning_rate": 2e-4, "kl_coef": 0.0,
-             "new_tokens": 4, "min_gain": 0.1},
-    "pretrained": {"sft_learning_rate": 1e-5, "rl_learning_rate": 1e-6, "kl_coef": 1e-3,
-                   "new_tokens": 512, "min_gain": None},
+    "demo": {"sft_steps": 150, "sft_learning_rate": 1e-3, "rl_learning_rate": 2e-4,
+             "kl_coef": 0.0, "new_tokens": 4, "min_gain": 0.1},
+    "pretrained": {"sft_steps": 0, "sft_learning_rate": 1e-5, "rl_learning_rate": 1e-6,
+                   "kl_coef": 1e-3, "new_tokens": 512, "min_gain": None},
 }  # fmt: skip
 
 log = logging.getLogger("grpo")
+
+
+class BadInputError(Exception):
+    """A flag, problem file or model directory the run cannot use; its text names the
+    thing, the value and the fix. ``main`` prints it in one line and exits 2, on every
+    rank (each rank reads the same input, so none waits in a collective)."""
+
 
 #: The plot's panels: y-axis label (unit) -> metrics drawn in it.
 PANELS = {
@@ -125,7 +137,16 @@ class Run:
 
     def __init__(self, config: StrategyConfig, opts: argparse.Namespace) -> None:
         self.config, self.opts, self.out = config, opts, opts.out
+        self.train_set, self.held_out = self._problems()  # bad files fail before any rank joins
         self.strategy = strategy = get_strategy(config)
+        try:
+            self._build(config, opts)
+        except BadInputError:
+            strategy.close()
+            raise
+
+    def _build(self, config: StrategyConfig, opts: argparse.Namespace) -> None:
+        strategy = self.strategy
         self.rank, world = strategy.get_rank(), strategy.world_size
         # data-parallel replicas: the ranks of a sequence-parallel group share their
         # problems (the strategy splits their sequences); at sp_size 1 every rank is one
@@ -133,16 +154,15 @@ class Run:
         self.replica = self.rank * self.replicas // world
         self.group = config.n_samples_per_prompt
         if config.train_batch_size % (self.replicas * self.group):
-            raise SystemExit(
+            raise BadInputError(
                 f"train_batch_size={config.train_batch_size} must be a multiple of "
                 f"{self.replicas} data-parallel replicas x n_samples_per_prompt={self.group}"
             )
         self.per_replica = config.train_batch_size // self.replicas
-        self.train_set, self.held_out = self._problems()
         given = opts.pretrain or config.get_extra_arg("pretrain")
         model_dir = Path(given or self.out / "initial_model")
         if given and not (model_dir / "config.json").is_file():
-            raise SystemExit(f"--pretrain {model_dir}: no config.json there; pass a Hugging "
+            raise BadInputError(f"--pretrain {model_dir}: no config.json there; pass a Hugging "
                              "Face model directory (with its tokenizer)")  # fmt: skip
         if not given and self.rank == 0 and not (model_dir / "config.json").exists():
             arithmetic.build_tiny_model(model_dir, config.seed)
@@ -157,12 +177,12 @@ class Run:
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.eos = self.tokenizer.eos_token_id
         if self.eos is None:
-            raise SystemExit(f"the tokenizer of {model_dir} has no eos_token: set one in its "
+            raise BadInputError(f"the tokenizer of {model_dir} has no eos_token: set one in its "
                              "tokenizer_config.json (completions end at it)")  # fmt: skip
         try:
             self.prompting = PromptEncoder(self.tokenizer, opts.chat_template, opts.system_prompt)
         except ValueError as exc:
-            raise SystemExit(str(exc)) from None
+            raise BadInputError(str(exc)) from None
         self.stops = stop_ids(self.tokenizer, model_dir)
         self.model_dir = model_dir
         self.pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
@@ -183,6 +203,8 @@ class Run:
                 actor, None, None, reference, max_steps=self.total
             )
         )
+        if opts.sft_steps:  # the config's rate is the RL phase's; the warm-up has its own
+            set_learning_rate(self.optim, self.sched, opts.sft_learning_rate)
         strategy.setup_inference_engine(config, actor=self.actor)
         #: the step whose prompts are submitted to the engine, its problems and prompts
         self.submitted: tuple[int, list[dict[str, Any]], list[list[int]]] | None = None
@@ -203,12 +225,26 @@ class Run:
     def _problems(self) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
         opts = self.opts
         if opts.prompts is None:
-            return arithmetic.addition_problems(opts.operand_limit, opts.held_out, self.config.seed)
-        rows = arithmetic.read_problems(opts.prompts)
-        if opts.eval_prompts is not None:
-            return rows, arithmetic.read_problems(opts.eval_prompts)
+            try:
+                return arithmetic.addition_problems(
+                    opts.operand_limit, opts.held_out, self.config.seed
+                )
+            except ValueError as exc:
+                raise BadInputError(f"--held-out/--operand-limit: {exc}") from None
+        try:
+            rows = arithmetic.read_problems(opts.prompts)
+            if opts.eval_prompts is not None:
+                return rows, arithmetic.read_problems(opts.eval_prompts)
+        except OSError as exc:
+            raise BadInputError(
+                f"{exc.filename}: {exc.strerror}; pass a JSONL file of problems"
+            ) from None
+        except ValueError as exc:
+            raise BadInputError(str(exc)) from None
         if not 0 < opts.held_out < len(rows):
-            raise SystemExit(f"--held-out {opts.held_out}: {opts.prompts} has {len(rows)} problems")
+            raise BadInputError(
+                f"--held-out {opts.held_out}: {opts.prompts} has {len(rows)} problems"
+            )
         return rows[opts.held_out :], rows[: opts.held_out]
 
     def encode(self, text: str) -> list[int]:
@@ -446,7 +482,10 @@ def train(config: StrategyConfig, opts: argparse.Namespace) -> dict[str, Any]:
     run = Run(config, opts)
     strategy, out = run.strategy, opts.out
     if run.rank == 0:
+        source = f" from {opts.model_source}" if opts.model_source else ""
         sys.stderr.write(
+            f"recipe {opts.recipe} (model {run.model_dir}{source}); precision "
+            f"{config.resolved_precision}; "
             f"{strategy.backend_name} on {strategy.world_size} ranks, engine "
             f"{config.engine_type}; {ulysses.describe(run.actor)}; {len(run.train_set)} "
             f"training and {len(run.held_out)} held-out problems; "
@@ -548,20 +587,39 @@ def _effective_config(argv: list[str] | None) -> dict[str, Any]:
         return {}  # the real parse names the problem
 
 
-def parse(argv: list[str] | None) -> tuple[StrategyConfig, argparse.Namespace]:
+#: The job's own options (every other flag is a StrategyConfig field).
+JOB_OPTIONS = (
+    "config", "sft_steps", "steps", "out", "resume", "stop_after", "pretrain", "prompts",
+    "eval_prompts", "held_out", "chat_template", "system_prompt", "recipe", "operand_limit",
+    "careless_demos", "new_tokens", "temperature", "sft_learning_rate", "rl_learning_rate",
+    "kl_coef", "tis_cap", "eval_every", "save_every", "samples_every", "show_samples",
+    "min_gain",
+)  # fmt: skip
+
+
+def build_parser(effective: dict[str, Any]) -> argparse.ArgumentParser:
+    """The job's flags, each help ending in the default a run uses (``effective``: the
+    configuration the file and environment give, for the StrategyConfig flags)."""
     parser = argparse.ArgumentParser(
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
         allow_abbrev=False,
     )
-    add = parser.add_argument
 
-    def recipe(name: str) -> str:
-        demo, pretrained = RECIPES["demo"][name], RECIPES["pretrained"][name]
-        return f"(default: {demo} for the built-in model, {pretrained} with --pretrain)"
+    def add(*flags: str, help: str, **spec: Any) -> None:
+        """A flag whose help says its default (a recipe's flags say both recipes')."""
+        name = flags[0].lstrip("-").replace("-", "_")
+        if name in RECIPES["demo"]:
+            demo, pretrained = RECIPES["demo"][name], RECIPES["pretrained"][name]
+            shown = f"{demo} for the built-in model, {pretrained} for a pretrained one"
+        elif spec.get("action") == "store_true":
+            shown = "off"
+        else:
+            shown = str(spec.get("default"))
+        parser.add_argument(*flags, help=f"{help} (default: {shown})", **spec)
 
     add("--config", default=str(HERE / "grpo.yaml"), help="YAML or JSON config")
-    add("--sft-steps", type=int, default=150, help="supervised warm-up steps before RL")
+    add("--sft-steps", type=int, default=None, help="supervised warm-up steps before RL")
     add("--steps", type=int, default=80, help="GRPO steps after the warm-up")
     add("--out", type=Path, default=Path("runs/demo"), help="run directory")
     add("--resume", action="store_true", help="continue from the latest checkpoint")
@@ -571,21 +629,28 @@ def parse(argv: list[str] | None) -> tuple[StrategyConfig, argparse.Namespace]:
         default=None,
         metavar="N",
         help="stop after step N (warm-up steps count), as an interrupted run would "
-        "(checkpoint saved; the schedule still spans every step): --resume continues it",
+        "(checkpoint saved; the schedule still spans every step): --resume continues it; "
+        "None: run every step",
     )
     add(
         "--pretrain",
         type=Path,
         default=None,
-        help="a Hugging Face model directory with its tokenizer (default: build the tiny model)",
+        help="a Hugging Face model directory with its tokenizer (also `pretrain:` in the "
+        "config file or LIGHTRFT_PRETRAIN); None: build the tiny model",
     )
     add(
         "--prompts",
         type=Path,
         default=None,
-        help="JSONL of {prompt, answer}: the problems (default: the built-in addition task)",
+        help="JSONL of {prompt, answer}: the problems; None: the built-in addition task",
     )
-    add("--eval-prompts", type=Path, default=None, help="JSONL of held-out problems")
+    add(
+        "--eval-prompts",
+        type=Path,
+        default=None,
+        help="JSONL of held-out problems; None: --held-out problems of --prompts",
+    )
     add("--held-out", type=int, default=200, help="problems kept aside for evaluation")
     add(
         "--chat-template",
@@ -599,9 +664,10 @@ def parse(argv: list[str] | None) -> tuple[StrategyConfig, argparse.Namespace]:
         "--recipe",
         choices=("auto", "demo", "pretrained"),
         default="auto",
-        help="the defaults of the rates, KL, completion length and gain check: demo (tuned for "
-        "the built-in tiny model) or pretrained (published GRPO recipes'); auto: pretrained "
-        "with --pretrain",
+        help="the defaults of the warm-up steps, rates, KL, completion length and gain "
+        "check: demo (tuned for the built-in tiny model) or pretrained (published GRPO "
+        "recipes'); auto: pretrained when a model is given (--pretrain, `pretrain:` in the "
+        "config file or LIGHTRFT_PRETRAIN)",
     )
     add("--operand-limit", type=int, default=30, help="built-in task: a+b with a, b below this")
     add(
@@ -610,32 +676,19 @@ def parse(argv: list[str] | None) -> tuple[StrategyConfig, argparse.Namespace]:
         default=0.8,
         help="built-in task: share of carrying sums whose warm-up demonstration drops the carry",
     )
-    add(
-        "--new-tokens",
-        type=int,
-        default=None,
-        help=f"most tokens per completion {recipe('new_tokens')}",
-    )
+    add("--new-tokens", type=int, default=None, help="most tokens per completion")
     add("--temperature", type=float, default=1.0, help="sampling temperature of rollouts")
-    add(
-        "--sft-learning-rate",
-        type=float,
-        default=None,
-        help=f"learning rate of the warm-up steps {recipe('sft_learning_rate')}",
-    )
+    add("--sft-learning-rate", type=float, default=None, help="learning rate of the warm-up steps")
     add(
         "--rl-learning-rate",
+        "--actor_learning_rate",
+        "--actor-learning-rate",
+        dest="rl_learning_rate",
         type=float,
         default=None,
-        help="learning rate of the GRPO steps (--actor_learning_rate means the same) "
-        + recipe("rl_learning_rate"),
+        help="learning rate of the GRPO steps (the config's actor_learning_rate)",
     )
-    add(
-        "--kl-coef",
-        type=float,
-        default=None,
-        help=f"weight of the KL term (k3) to the reference {recipe('kl_coef')}",
-    )
+    add("--kl-coef", type=float, default=None, help="weight of the KL term (k3) to the reference")
     add(
         "--tis-cap",
         type=float,
@@ -644,7 +697,7 @@ def parse(argv: list[str] | None) -> tuple[StrategyConfig, argparse.Namespace]:
         "probability, cap); 0 turns it off",
     )
     add("--eval-every", type=int, default=20, help="GRPO steps between held-out evaluations")
-    add("--save-every", type=int, default=30)
+    add("--save-every", type=int, default=30, help="steps between checkpoints")
     add(
         "--samples-every",
         type=int,
@@ -657,46 +710,53 @@ def parse(argv: list[str] | None) -> tuple[StrategyConfig, argparse.Namespace]:
         "--min-gain",
         type=float,
         default=None,
-        help="exit 1 unless RL raises held-out accuracy by this much "
-        f"{recipe('min_gain')}: no check",
+        help="exit 1 unless RL raises held-out accuracy by this much (None: no check)",
     )
-    StrategyConfig.add_arguments(
-        parser, suppress_defaults=True, shown_defaults=(effective := _effective_config(argv))
-    )
+    shown = dict(effective)
+    shown.pop("actor_learning_rate", None)  # the job's --rl-learning-rate above
+    StrategyConfig.add_arguments(parser, suppress_defaults=True, shown_defaults=shown)
+    return parser
+
+
+def model_source(opts: argparse.Namespace, effective: dict[str, Any]) -> str | None:
+    """Where the run's model comes from, resolving ``opts.pretrain``: the flag, the
+    config file's ``pretrain:`` or LIGHTRFT_PRETRAIN (None: the built-in tiny model)."""
+    if opts.pretrain is not None:
+        return "--pretrain"
+    given = (effective.get("extra_args") or {}).get("pretrain")
+    if not given:
+        return None
+    opts.pretrain = Path(given)
+    return "LIGHTRFT_PRETRAIN" if os.environ.get("LIGHTRFT_PRETRAIN") else f"{opts.config}"
+
+
+def parse(argv: list[str] | None) -> tuple[StrategyConfig, argparse.Namespace]:
+    effective = _effective_config(argv)
+    parser = build_parser(effective)
     given = vars(parser.parse_args(argv))
-    names = (
-        "config", "sft_steps", "steps", "out", "resume", "stop_after", "pretrain", "prompts",
-        "eval_prompts", "held_out", "chat_template", "system_prompt", "recipe", "operand_limit",
-        "careless_demos", "new_tokens", "temperature", "sft_learning_rate", "rl_learning_rate",
-        "kl_coef", "tis_cap", "eval_every", "save_every", "samples_every", "show_samples",
-        "min_gain",
-    )  # fmt: skip
-    opts = argparse.Namespace(**{n: given.pop(n) for n in names})
-    total = opts.sft_steps + opts.steps
-    if opts.stop_after is not None and not 1 <= opts.stop_after <= total:
-        parser.error(f"--stop-after {opts.stop_after} must be within 1..{total} (all steps)")
-    if opts.steps < 0 or opts.sft_steps < 0 or total < 1:
-        parser.error("--steps and --sft-steps must be >= 0, and one of them >= 1")
-    actor_rate = given.pop("actor_learning_rate", None)
-    if actor_rate is None and effective.get("actor_learning_rate") not in (
+    opts = argparse.Namespace(**{n: given.pop(n) for n in JOB_OPTIONS})
+    opts.model_source = model_source(opts, effective)
+    file_rate = effective.get("actor_learning_rate")
+    if opts.rl_learning_rate is None and file_rate not in (
         None,
         StrategyConfig.model_fields["actor_learning_rate"].default,
-    ):  # set by the config file or LIGHTRFT_ACTOR_LEARNING_RATE: the same meaning
-        actor_rate = effective["actor_learning_rate"]
-    if actor_rate is not None:  # the actor's rate is the RL phase's
-        if opts.rl_learning_rate not in (None, actor_rate):
-            parser.error(
-                f"--actor_learning_rate {actor_rate} and --rl-learning-rate "
-                f"{opts.rl_learning_rate} disagree: they name the same rate; give one"
-            )
-        opts.rl_learning_rate = actor_rate
+    ):  # set by the config file or LIGHTRFT_ACTOR_LEARNING_RATE: the RL rate
+        opts.rl_learning_rate = file_rate
     if opts.recipe == "auto":
         opts.recipe = "pretrained" if opts.pretrain else "demo"
     for name, value in RECIPES[opts.recipe].items():
         if getattr(opts, name) is None:
             setattr(opts, name, value)
-    first_rate = opts.sft_learning_rate if opts.sft_steps else opts.rl_learning_rate
-    config = StrategyConfig.load(file=opts.config, args=given, actor_learning_rate=first_rate)
+    total = opts.sft_steps + opts.steps
+    if opts.stop_after is not None and not 1 <= opts.stop_after <= total:
+        parser.error(f"--stop-after {opts.stop_after} must be within 1..{total} (all steps)")
+    if opts.steps < 0 or opts.sft_steps < 0 or total < 1:
+        parser.error("--steps and --sft-steps must be >= 0, and one of them >= 1")
+    # the config holds the RL rate (actor_learning_rate, as upstream's); the warm-up's
+    # rate is set on the optimizer for its steps (Run.start_phase)
+    config = StrategyConfig.load(
+        file=opts.config, args=given, actor_learning_rate=opts.rl_learning_rate
+    )
     return config, opts
 
 
@@ -758,7 +818,11 @@ def main(argv: list[str] | None = None) -> int:
         log.error("%s", exc)
         return 2
     opts.out.mkdir(parents=True, exist_ok=True)
-    result = train(config, opts)
+    try:
+        result = train(config, opts)
+    except BadInputError as exc:
+        log.error("grpo: %s", exc)
+        return 2
     rows = read_metrics(opts.out / "metrics.jsonl")
     if result["rank"] != 0 or not rows:
         return 0
