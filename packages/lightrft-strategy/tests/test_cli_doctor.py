@@ -91,6 +91,7 @@ def test_fsdp2_is_usable_and_json_lists_every_backend(report: dict[str, Any]) ->
         "provider": "lightrft-strategy",
         "error": None,
         "install": None,
+        "notes": [],
     }
     assert report["configuration"] is None and report["ok"] is True
     assert report["packages"]["lightrft-strategy"] == metadata.version("lightrft-strategy")
