@@ -130,6 +130,18 @@ def die_without_traceback() -> None:
     os._exit(3)
 
 
+def crash_in_native_code() -> None:
+    """Rank 1 dies by SIGSEGV inside a named function, as a crash in a C extension would."""
+    if os.environ["RANK"] == "1":
+        segfault_here()
+
+
+def segfault_here() -> None:
+    import ctypes
+
+    ctypes.string_at(0)  # reads address 0: SIGSEGV
+
+
 # --- helpers ----------------------------------------------------------------------------
 
 
@@ -298,6 +310,18 @@ def test_ranks_dying_without_traceback_report_signal_and_exit_code() -> None:
     assert "killed by SIGKILL (exit code -9)" in failures[0]
     assert "exited with code 3" in failures[1]
     assert "rank 0 was killed by SIGKILL" in str(caught.value)
+
+
+@pytest.mark.timeout(60)
+def test_a_rank_killed_by_sigsegv_reports_where_it_was() -> None:
+    with pytest.raises(RankFailure) as caught:
+        run_distributed(crash_in_native_code, 2, init_process_group=False, timeout=30)
+    failures = caught.value.failures
+    assert list(failures) == [1]
+    assert "killed by SIGSEGV (exit code -11)" in failures[1]
+    assert "where it was when it died (faulthandler)" in failures[1]
+    assert "Fatal Python error: Segmentation fault" in failures[1]
+    assert "in segfault_here" in failures[1] and "in crash_in_native_code" in failures[1]
 
 
 def test_bad_arguments_rejected_before_spawning() -> None:

@@ -166,6 +166,7 @@ def _rank_main(
     pg_timeout_s: float,
     environ: Mapping[str, str],
     conn: Connection,
+    crash_file: str,
 ) -> None:
     """Child entry point: run the pickled call and send back ``("ok"|"error", value)``."""
     # A forked rank has the forkserver's environment: take the parent's, as spawn would.
@@ -175,6 +176,10 @@ def _rank_main(
         sys.modules["torch"].set_num_threads(int(environ["OMP_NUM_THREADS"]))
     # A rank terminated on timeout prints where every thread was, then exits.
     faulthandler.register(signal.SIGTERM, all_threads=True, chain=True)
+    # A rank killed by a fatal signal (SIGSEGV, SIGABRT, ...) leaves its Python stacks
+    # in crash_file, which the parent puts in the RankFailure (stderr may be captured).
+    crash_log = open(crash_file, "w")  # noqa: SIM115 - open until the process ends
+    faulthandler.enable(file=crash_log, all_threads=True)
     sys.path[:] = parent_sys_path + [p for p in sys.path if p not in parent_sys_path]
     try:
         fn, args, kwargs = pickle.loads(payload)
@@ -276,6 +281,8 @@ def run_distributed(
     procs: list[BaseProcess] = []
     readers: list[Connection] = []
     writers: list[Connection] = []
+    crash_dir = tempfile.TemporaryDirectory(prefix="run_distributed-")
+    crash_files = [os.path.join(crash_dir.name, f"rank{rank}.crash") for rank in range(world_size)]
     logger.debug("run_distributed: %d ranks, MASTER_PORT=%d", world_size, port)
     common_env = {
         "WORLD_SIZE": str(world_size),
@@ -297,7 +304,7 @@ def run_distributed(
             proc_args = (rank, world_size, list(sys.path), payload, init_process_group, timeout)
             proc = ctx.Process(
                 target=_rank_main,
-                args=(*proc_args, environ, writer),
+                args=(*proc_args, environ, writer, crash_files[rank]),
                 name=f"run_distributed-rank{rank}",
                 daemon=False,
             )
@@ -305,17 +312,22 @@ def run_distributed(
             with _patched_environ(rank_env):
                 proc.start()
             writer.close()  # the child holds its own copy; EOF now means the child is gone
-        return _collect(procs, readers, timeout, failure_grace)
+        return _collect(procs, readers, timeout, failure_grace, crash_files)
     finally:
         _stop_processes(procs)
         for conn in readers + writers:
             conn.close()
         for started in procs:
             started.close()
+        crash_dir.cleanup()
 
 
 def _collect(
-    procs: list[BaseProcess], readers: list[Connection], timeout: float, failure_grace: float
+    procs: list[BaseProcess],
+    readers: list[Connection],
+    timeout: float,
+    failure_grace: float,
+    crash_files: list[str],
 ) -> list[Any]:
     """Wait for every rank's message and exit; raise on failure or timeout."""
     deadline = time.monotonic() + timeout
@@ -361,6 +373,7 @@ def _collect(
     timed_out = bool(still_running) and time.monotonic() >= deadline
     _stop_processes(procs)
     failures = _failures(procs, messages, still_running, timed_out, first_failure, failure_grace)
+    _add_crash_reports(failures, procs, crash_files)
     if timed_out:
         details = "\n" + str(RankFailure(failures, total=len(procs))) if failures else ""
         raise TimeoutError(
@@ -401,6 +414,22 @@ def _failures(
         elif status == "ok" and code not in (None, 0):
             failures[rank] = f"returned a result, then {_describe_exit(code)}"
     return failures
+
+
+def _add_crash_reports(
+    failures: dict[int, str], procs: list[BaseProcess], crash_files: list[str]
+) -> None:
+    """Append to each failed rank that a fatal signal killed the Python stacks
+    faulthandler wrote as it died."""
+    for rank, (proc, path) in enumerate(zip(procs, crash_files, strict=True)):
+        if rank not in failures or proc.exitcode is None or proc.exitcode >= 0:
+            continue
+        with contextlib.suppress(OSError), open(path, encoding="utf-8", errors="replace") as f:
+            text = f.read().strip()
+            if text:
+                failures[rank] += (
+                    f"\nwhere it was when it died (faulthandler):\n{text[-_TAIL_CHARS:]}"
+                )
 
 
 def _read_all(handle: IO[bytes]) -> str:
