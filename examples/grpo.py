@@ -44,11 +44,13 @@ bad input (a config value, a flag, a problem file, a model directory), named in 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -106,6 +108,7 @@ PANELS = {
     "entropy (nats/token)": ["entropy"],
     "response length (tokens)": ["response_length"],
     "seconds per step": ["generate_s", "train_s", "sync_s"],
+    "seconds per training step, by part": ["forward_s", "reference_s", "backward_s", "optimizer_s"],
     "tokens per second": ["tokens_per_s"],
 }
 #: Panels on a log scale: the rollout mismatch is rounding-sized (1e-11 to 1e-5) on CPU.
@@ -113,6 +116,38 @@ LOG_PANELS = ("rollout KL, engine to trainer (nats/token)", "rollout log-prob ga
 
 
 Rows = list[tuple[list[int], list[int]]]  # (prompt, completion) token ids per sample
+
+
+class StepClock:
+    """Seconds spent in named parts of a step, on this rank (on CUDA each part ends in
+    a synchronize, so kernels still queued count where they were launched). A part
+    timed ``within`` another is taken out of the other's time."""
+
+    def __init__(self, device: torch.device) -> None:
+        self._cuda = device.type == "cuda"
+        self._seconds: dict[str, float] = {}
+
+    def reset(self) -> None:
+        self._seconds.clear()
+
+    @contextlib.contextmanager
+    def __call__(self, part: str, within: str | None = None) -> Iterator[None]:
+        if self._cuda:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            if self._cuda:
+                torch.cuda.synchronize()
+            took = time.perf_counter() - t0
+            self._seconds[part] = self._seconds.get(part, 0.0) + took
+            if within is not None:
+                self._seconds[within] = self._seconds.get(within, 0.0) - took
+
+    def seconds(self, parts: tuple[str, ...]) -> dict[str, float]:
+        """The parts timed since :meth:`reset` (those never entered are left out)."""
+        return {part: self._seconds[part] for part in parts if part in self._seconds}
 
 
 def group_advantages(rewards: torch.Tensor, group: int) -> torch.Tensor:
@@ -139,6 +174,7 @@ class Run:
         self.config, self.opts, self.out = config, opts, opts.out
         self.train_set, self.held_out = self._problems()  # bad files fail before any rank joins
         self.strategy = strategy = get_strategy(config)
+        self.clock = StepClock(strategy.device)
         try:
             self._build(config, opts)
         except BadInputError:
@@ -270,7 +306,9 @@ class Run:
         """Backward and step over the step's micro-batches as the strategy plans them
         (packed under ``max_tokens_per_gpu`` with ``packing_samples``, else fixed);
         ``loss_of(batch, plan)`` gives a micro-batch's loss and its numbers. Returns the
-        numbers of each micro-batch that held samples, and the seconds taken."""
+        numbers of each micro-batch that held samples, and the seconds taken; the parts
+        of those seconds are in ``self.clock`` (``forward_s``, ``backward_s``,
+        ``optimizer_s``, and ``reference_s`` where ``loss_of`` timed one)."""
         t0 = time.perf_counter()
         plan = self.strategy.plan_micro_batches(
             [len(p) + len(c) for p, c in rows], [len(c) for _, c in rows]
@@ -279,9 +317,12 @@ class Run:
         with plan:
             for indices in plan.micro_batches:
                 batch = build_batch(rows, indices, plan.packed, self.pad)
-                loss, numbers = loss_of(batch.to(self.strategy.device), plan)
-                self.strategy.backward(loss, self.actor, self.optim)
-                self.strategy.optimizer_step(self.optim, self.actor, self.sched)
+                with self.clock("forward_s"):  # (the reference's own time is taken out)
+                    loss, numbers = loss_of(batch.to(self.strategy.device), plan)
+                with self.clock("backward_s"):
+                    self.strategy.backward(loss, self.actor, self.optim)
+                with self.clock("optimizer_s"):  # (steps on the plan's last micro-batch)
+                    self.strategy.optimizer_step(self.optim, self.actor, self.sched)
                 if indices:  # (an empty micro-batch only keeps the ranks in step)
                     parts.append(numbers)
         return parts, time.perf_counter() - t0
@@ -302,8 +343,11 @@ class Run:
             logp, _ = token_logprobs(self.actor, batch)
             return plan.loss(-logp, batch), {"sft_loss": float(-logp.detach().mean())}
 
+        self.clock.reset()
         parts, train_s = self.train_rows(rows, loss_of)
-        return {"phase": "sft", "sft_loss": self._mean(parts, "sft_loss"), "train_s": train_s}
+        seconds = self.clock.seconds(("forward_s", "backward_s", "optimizer_s"))
+        return {"phase": "sft", "sft_loss": self._mean(parts, "sft_loss"), "train_s": train_s,
+                **seconds}  # fmt: skip
 
     def evaluate(self) -> tuple[float, list[dict[str, Any]]]:
         """Greedy accuracy on the held-out problems (each replica grades its share), and
@@ -394,7 +438,7 @@ class Run:
             token_loss = -weight * adv * logp
             numbers: dict[str, float] = {}
             if opts.kl_coef:  # the reference's forward only when its KL term counts
-                with torch.no_grad():
+                with torch.no_grad(), self.clock("reference_s", within="forward_s"):
                     ref_logp, _ = token_logprobs(self.reference, batch, opts.temperature)
                 log_ratio = ref_logp - logp
                 kl = log_ratio.exp() - log_ratio - 1  # k3, >= 0
@@ -411,6 +455,7 @@ class Run:
         # wrong) has no policy gradient: it is skipped, not stepped, since Adam's momentum
         # (and any weight decay) would move the weights on a zero gradient
         skip = float(self.strategy.all_reduce(advantages.abs().max(), op="max")) == 0.0
+        self.clock.reset()
         parts, train_s = ([], 0.0) if skip else self.train_rows(rows, loss_of)
         generated = sum(len(o.output_token_ids) for o in outputs)
         means = {
@@ -432,6 +477,7 @@ class Run:
             "weight_lag": weight_lag,
             "generate_s": generate_s,
             "train_s": train_s,
+            **self.clock.seconds(("forward_s", "reference_s", "backward_s", "optimizer_s")),
             "sync_s": sync["gather_s"] + sync["load_s"],
             "sync_bytes": sync["bytes"],
             "weight_version": sync["weight_version"],

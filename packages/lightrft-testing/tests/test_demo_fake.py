@@ -112,6 +112,30 @@ def test_fake_strategy_and_fake_engine_learn_and_resume_exactly(
         assert {k: a.get(k) for k in SAME} == {k: b.get(k) for k in SAME}, a["step"]
 
 
+PARTS = ("forward_s", "reference_s", "backward_s", "optimizer_s")
+
+
+@pytest.mark.timeout(600)
+def test_a_steps_time_is_given_by_part(warm_model: Path, tmp_path: Path) -> None:
+    """metrics.jsonl splits a trained step's ``train_s`` into the policy's forward, the
+    reference's (only with a KL term), backward and optimizer step; the parts are
+    disjoint, so they add up to at most ``train_s`` (the rest: planning, batches)."""
+    for kl in ("0", "0.01"):
+        out = tmp_path / f"kl{kl}"
+        _run(*_rl(warm_model, "--engine_type", "fake", "--steps", "3", "--kl-coef", kl),
+             "--out", str(out))  # fmt: skip
+        trained = [r for r in _metrics(out) if r["phase"] == "rl" and not r["skipped"]]
+        assert trained, "no step trained"
+        for row in trained:
+            want = {"forward_s", "backward_s", "optimizer_s"} | (
+                {"reference_s"} if kl != "0" else set()
+            )
+            assert {k for k in PARTS if k in row} == want, row
+            assert all(row[k] > 0 for k in want), row
+            assert 0.5 * row["train_s"] < sum(row[k] for k in want) <= row["train_s"], row
+        assert not [r for r in _metrics(out) if r.get("skipped") and "forward_s" in r]
+
+
 @pytest.mark.timeout(600)
 def test_the_fake_engine_keeps_its_output_rule_when_asked(warm_model: Path, tmp_path: Path) -> None:
     """``sample_from_model=False``: completions by the documented rule, not from the
