@@ -49,6 +49,9 @@ BENCH_QUICK = {
         "--samples", "4", "--mean-len", "8", "--prompt-len", "4", "--steps", "1",
         "--layers", "1", "--hidden", "64", "--heads", "4", "--kv-heads", "2", "--vocab", "256",
     ],
+    # the demo's RL step: colocated against engine ranks; against TRL on a tiny chat model
+    "async_rollout.py": ["--quick"],
+    "vs_trl.py": ["--quick"],
 }  # fmt: skip
 # the vLLM ones, run by engines(vllm) after its tests (head_dim 64: vLLM's CPU kernels)
 BENCH_QUICK_VLLM = {
@@ -458,8 +461,12 @@ def stress(session: nox.Session) -> None:
 @nox.session(python=DEFAULT_PYTHON)
 def bench_check(session: nox.Session) -> None:
     """Each CPU benchmark once at tiny sizes (seconds; no figures claimed), so a broken
-    benchmark fails the suite; the vLLM ones run at the end of engines(vllm)."""
-    sync(session, "lightrft-strategy", "--extra", "deepspeed", "--extra", "hf")
+    benchmark fails the suite; the vLLM ones run at the end of engines(vllm). Every
+    package (vs_trl.py's quick job uses lightrft-testing's tiny chat model), the demo's
+    extras and DeepSpeed, and TRL."""
+    options, _ = demo_needs(["--backend", "fake"])  # (fake: every package)
+    sync(session, None, *options, "--extra", "deepspeed", bytecode=True)
+    install_trl(session)
     _bench_quick(session, BENCH_QUICK)
 
 
@@ -467,14 +474,9 @@ def bench_check(session: nox.Session) -> None:
 TRL = "trl==1.16.0"
 
 
-@nox.session(python=DEFAULT_PYTHON)
-def bench_trl(session: nox.Session) -> None:
-    """Not in the default run: the demo's GRPO step against TRL's GRPOTrainer on the same
-    job (benchmarks/vs_trl.py; a full run takes minutes). The demo's environment from
-    uv.lock, then TRL beside it with torch and transformers held at the locked versions;
-    flags after `--` go to the script (--steps, --warm-model, --quick...)."""
-    options, _ = demo_needs([])
-    sync(session, None, *options, bytecode=True)
+def install_trl(session: nox.Session) -> None:
+    """TRL into the session's environment beside its locked torch and transformers
+    (uv.lock holds no TRL: only the benchmarks use it)."""
     pins = session.run_install(
         "python", "-c",
         "from importlib.metadata import version as v; "
@@ -483,6 +485,17 @@ def bench_trl(session: nox.Session) -> None:
     )  # fmt: skip
     if pins is not None:  # (None: --no-install on a reused environment, nothing ran)
         session.install(TRL, *str(pins).split(), env={"UV_COMPILE_BYTECODE": "1"})
+
+
+@nox.session(python=DEFAULT_PYTHON)
+def bench_trl(session: nox.Session) -> None:
+    """Not in the default run: the demo's GRPO step against TRL's GRPOTrainer on the same
+    job (benchmarks/vs_trl.py; a full run takes minutes). The demo's environment from
+    uv.lock, then TRL beside it with torch and transformers held at the locked versions;
+    flags after `--` go to the script (--steps, --warm-model, --quick...)."""
+    options, _ = demo_needs(["--backend", "fake"])  # every package (--quick's tiny chat model)
+    sync(session, None, *options, bytecode=True)
+    install_trl(session)
     session.run("python", "benchmarks/vs_trl.py", *session.posargs)
 
 

@@ -5,11 +5,13 @@ per rank under torchrun (CPU, DDP on gloo, generating with the training model).
         --result FILE -- <examples/grpo.py flags>
 
 The job is read from ``examples/grpo.py``'s own parser given the same flags as our side
-(``--pretrain``, ``--recipe demo``, ``--steps``...): its configuration (grpo.yaml and the
-flags) gives the group size, the batch, the seed, Adam's betas, the weight decay, the
-gradient clipping, and its options the learning rate, completion length, temperature and
-the problems; the prompts are encoded by the demo's ``PromptEncoder`` and graded by the
-demo's checker (``arithmetic.is_correct``), and ``prompting.stop_ids`` ends completions.
+(``--pretrain``, ``--recipe``, ``--steps``, ``--prompts``...): its configuration
+(grpo.yaml and the flags) gives the group size, the batch, the seed, Adam's betas, the
+weight decay, the gradient clipping, and its options the learning rate, KL coefficient,
+completion length, temperature, chat template, system prompt and the problems (the
+demo's ``load_problems``: ``--prompts``/``--eval-prompts`` or the built-in task); the
+prompts are encoded by the demo's ``PromptEncoder`` and graded by the demo's checker
+(``arithmetic.is_correct``), and ``prompting.stop_ids`` ends completions.
 
 Rank 0 writes ``--result`` (JSON): each step's wall clock (``on_step_begin`` to
 ``on_step_end`` of a ``TrainerCallback``), where its seconds went (``generate_s``: the
@@ -77,7 +79,9 @@ def main(argv: list[str]) -> int:
     job = args.job[1:] if args.job[:1] == ["--"] else args.job
     config, opts = grpo.parse(job)
     if not opts.pretrain:
-        raise SystemExit("the TRL side needs --pretrain (the warm-up model both sides start from)")
+        raise SystemExit("the TRL side needs --pretrain (the model both sides start from)")
+    if config.resolved_precision == "fp16":
+        raise SystemExit("the TRL side runs fp32 or bf16 on CPU, not fp16")
 
     trl = importlib.import_module("trl")
     datasets = importlib.import_module("datasets")
@@ -91,9 +95,7 @@ def main(argv: list[str]) -> int:
     prompting = PromptEncoder(tokenizer, opts.chat_template, opts.system_prompt)
     stops = stop_ids(tokenizer, model_dir)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    train_set, held_out = arithmetic.addition_problems(
-        opts.operand_limit, opts.held_out, config.seed
-    )
+    train_set, held_out = grpo.load_problems(opts, config.seed)  # --prompts, as ours
     rows = [{"prompt": prompting.text(p["prompt"]), "answer": p["answer"]} for p in train_set]
     # TRL tokenizes the prompt text itself: it must see the ids our side's engine sees
     for row, problem in zip(rows[:50], train_set, strict=False):
@@ -127,7 +129,9 @@ def main(argv: list[str]) -> int:
         beta=opts.kl_coef,  # 0: no KL term, no reference model
         loss_type="grpo",  # each completion's token mean, then their mean (seq-mean-token-mean)
         scale_rewards="group",  # (r - group mean) / (group std + 1e-4), as the demo
-        bf16=False,  # GRPOConfig's default is True: fp32 as the demo
+        # the demo's precision (grpo.yaml: fp32; GRPOConfig's default is bf16): with bf16
+        # both sides keep fp32 weights and compute under bf16 autocast
+        bf16=config.resolved_precision == "bf16",
         fp16=False,
         gradient_checkpointing=False,  # GRPOConfig's default is True; the demo has none
         use_cpu=True,

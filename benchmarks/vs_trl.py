@@ -20,6 +20,16 @@ its prompts, reward and stop tokens with the demo's helpers (``_trl_side.py``).
 First the warm-up model is built once with the demo (``--steps 0``: its ``--sft-steps``
 supervised steps, saved as ``sft_model``), unless ``--warm-model`` names one.
 
+**A real model's job** (``--pretrain DIR --prompts FILE [--eval-prompts FILE] [--
+grpo.py flags]``): both sides start from that Hugging Face model on those problems
+with the demo's ``pretrained`` recipe (learning rate, KL coefficient, completion length
+as the README states) and the flags after ``--`` (``--new-tokens 64
+--n_samples_per_prompt 4 --train_batch_size 16 --precision bf16``...), each prompt in
+the tokenizer's chat template on both sides (TRL is handed the templated text, checked
+to tokenize to our side's ids). Our steps without reward signal are skipped (no
+backward, no optimizer step) where TRL trains them, so our figure is over the steps
+that trained; the report says how many were skipped.
+
 A step's time is the same on both sides: wall clock on rank 0 from the step's start to its
 end, the evaluations left out. Ours: around ``Run.step`` (sync, generation, rewards,
 advantages, training, the step's metrics), held-out evaluations and checkpoints running
@@ -38,8 +48,9 @@ The last line sums it up (ratio: ours / trl; below 1 ours is faster):
 
 Run ``python3 dev.py nox -s bench_trl -- [--steps 80] [--warm-model DIR]`` (the session
 installs TRL beside the locked torch and transformers), or from such an environment
-``python benchmarks/vs_trl.py``; ``--quick`` runs a few steps of each side from a short
-warm-up (its figures measure nothing). A full run took 80 s on an idle 2-core machine
+``python benchmarks/vs_trl.py``; ``--quick`` runs 3 steps of each side on the real-model
+path, with lightrft-testing's tiny chat model and 64 word problems (its figures measure
+nothing; ``bench_check`` runs it). A full run took 80 s on an idle 2-core machine
 (warm-up 30 s, each side 20-25 s with its start-up); other processes slow it, and the
 script says how many CPUs they kept busy during each side.
 """
@@ -150,11 +161,41 @@ def warm_model(args: argparse.Namespace) -> Path:
     return out / "sft_model"
 
 
-def run_sides(args: argparse.Namespace, warm: Path) -> dict[str, Any]:
-    """Each side once on the same job flags; what each measured."""
+def quick_job(args: argparse.Namespace) -> None:
+    """``--quick``: a tiny chat model (lightrft-testing's, ChatML template) and word
+    problems as JSONL files become ``args``' real-model job, at tiny sizes."""
+    sys.path.insert(0, str(EXAMPLES))
+    import word_problems
+    from lightrft.testing.models import save_tiny_chat_model
+
+    folder = args.out / "quick"
+    model = save_tiny_chat_model(folder / "model")
+    for name, count, seed in (("train", 64, 0), ("eval", 8, 1)):
+        rows = word_problems.problems(count, seed)
+        (folder / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    sizes = ["--new-tokens", "8", "--n_samples_per_prompt", "2", "--train_batch_size", "4",
+             "--micro_train_batch_size", "2"]  # fmt: skip
+    args.pretrain, args.job = model, [*sizes, *args.job]
+    args.prompts, args.eval_prompts = folder / "train.jsonl", folder / "eval.jsonl"
+
+
+def job_flags(args: argparse.Namespace, model: Path) -> list[str]:
+    """examples/grpo.py's flags for both sides: the demo's RL phase from its warm-up
+    model, or (``--pretrain``) a real model's job with its recipe (``pretrained``), its
+    problems and the flags given after ``--``."""
     steps = str(args.steps)
-    job = ["--pretrain", str(warm), "--recipe", "demo", "--sft-steps", "0", "--steps", steps,
-           "--min-gain", "-1", "--eval-every", steps, "--save-every", steps]  # fmt: skip
+    common = ["--sft-steps", "0", "--steps", steps, "--min-gain", "-1", "--eval-every", steps,
+              "--save-every", steps]  # fmt: skip
+    if args.pretrain is None:
+        return ["--pretrain", str(model), "--recipe", "demo", *common, *args.job]
+    data = ["--prompts", str(args.prompts)]
+    if args.eval_prompts is not None:
+        data += ["--eval-prompts", str(args.eval_prompts)]
+    return ["--pretrain", str(model), *data, *common, *args.job]
+
+
+def run_sides(args: argparse.Namespace, job: list[str]) -> dict[str, Any]:
+    """Each side once on the same job flags; what each measured."""
     ours_spans, trl_result = args.out / "ours_steps.json", args.out / "trl_result.json"
     found: dict[str, Any] = {}
     print(f"ours: examples/grpo.py {' '.join(job)}", flush=True)
@@ -178,10 +219,20 @@ def run_sides(args: argparse.Namespace, warm: Path) -> dict[str, Any]:
 
 
 def report(found: dict[str, Any], args: argparse.Namespace, warm: Path) -> str:
-    """Print each side's figures; return the summary line."""
+    """Print each side's figures; return the summary line. Our steps counted are those
+    that trained (a step without reward signal is skipped here, where TRL trains it);
+    if none did, every step, said so."""
     rows = found["ours_rows"]
     rl = {r["step"]: r for r in rows if r.get("phase") == "rl"}
-    spans = [s for s in found["ours_spans"] if s["step"] in rl]
+    every = [s for s in found["ours_spans"] if s["step"] in rl]
+    spans = [s for s in every if not rl[s["step"]].get("skipped")]
+    counted = (
+        f"{len(spans)} trained RL steps (ours; {len(every) - len(spans)} skipped, no reward signal)"
+    )
+    if not spans:
+        print(f"ours: none of its {len(every)} steps had reward signal (all skipped); "
+              "its figures are those of skipped steps")  # fmt: skip
+        spans = every
     accuracy = {r["step"]: r["held_out_accuracy"] for r in rows if "held_out_accuracy" in r}
     ours_start, ours_end = accuracy[min(accuracy)], accuracy[max(accuracy)]
     ours = step_figures(spans)
@@ -190,6 +241,7 @@ def report(found: dict[str, Any], args: argparse.Namespace, warm: Path) -> str:
         return statistics.median(rl[s["step"]].get(key, 0.0) for s in spans)
 
     ours_parts = {k: part(k) for k in ("sync_s", "generate_s", "train_s")}
+    inside = {k: part(k) for k in ("forward_s", "reference_s", "backward_s", "optimizer_s")}
     rest = statistics.median(
         (s["end"] - s["begin"]) - sum(rl[s["step"]].get(k, 0.0) for k in ours_parts) for s in spans
     )
@@ -202,13 +254,15 @@ def report(found: dict[str, Any], args: argparse.Namespace, warm: Path) -> str:
     problems, group, world = trl["problems_per_rank"], trl["group"], trl["world"]
     print(
         f"job: {world} ranks x {problems} problems x {group} completions per step, "
-        f"{len(spans)} RL steps (ours) / {len(trl_steps)} (trl), from {warm}"
+        f"{counted} / {len(trl_steps)} (trl, every step trains), from {warm}"
     )
     print(
         f"ours (FSDP2 + HF engine on the same ranks): median {ours['median']:.4f} s/step "
         f"(mean {ours['mean']:.4f}, loop {ours['loop']:.4f}); medians: sync "
         f"{ours_parts['sync_s']:.4f}, generate {ours_parts['generate_s']:.4f}, train "
-        f"{ours_parts['train_s']:.4f}, rest {rest:.4f} s"
+        f"{ours_parts['train_s']:.4f} (forward {inside['forward_s']:.4f}, reference "
+        f"{inside['reference_s']:.4f}, backward {inside['backward_s']:.4f}, optimizer "
+        f"{inside['optimizer_s']:.4f}), rest {rest:.4f} s"
     )
     print(
         f"  {reward_text([rl[s['step']]['reward'] for s in spans])}; held-out "
@@ -258,17 +312,41 @@ def main(argv: list[str]) -> int:
     )  # fmt: skip
     parser.add_argument("--sft-steps", type=int, default=150, help="warm-up steps when building")
     parser.add_argument(
-        "--quick", action="store_true",
-        help="a smoke check: 3 RL steps per side from a 5-step warm-up (figures measure nothing)",
+        "--pretrain", type=Path, default=None,
+        help="a real model's job instead of the demo's: this Hugging Face model directory "
+        "(with its tokenizer; its chat template on both sides) on --prompts, the demo's "
+        "pretrained recipe, the flags after -- on both sides",
     )  # fmt: skip
-    args = parser.parse_args(argv)
+    parser.add_argument("--prompts", type=Path, default=None, help="JSONL of problems (--pretrain)")
+    parser.add_argument(
+        "--eval-prompts", type=Path, default=None,
+        help="JSONL of held-out problems (--pretrain; default: the demo's --held-out of --prompts)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--quick", action="store_true",
+        help="a smoke check: 3 RL steps per side on a tiny chat model (lightrft-testing's) and "
+        "word problems, the real-model job's path (figures measure nothing)",
+    )  # fmt: skip
+    # after --: examples/grpo.py flags for both sides (--new-tokens 64 --precision bf16 ...)
+    extra = argv[argv.index("--") + 1 :] if "--" in argv else []
+    args = parser.parse_args(argv[: len(argv) - len(extra) - (1 if extra else 0)])
+    args.job = extra
     if args.quick:
-        args.steps, args.sft_steps = 3, 5
+        args.steps = 3
     if args.steps < 1:
         parser.error("--steps must be >= 1")
+    if (args.pretrain is None) != (args.prompts is None) and not args.quick:
+        parser.error("--pretrain and --prompts go together (a real model's job)")
     args.out = args.out.resolve()
-    warm = warm_model(args)
-    found = run_sides(args, warm.resolve())
+    if args.quick and args.pretrain is None:
+        quick_job(args)
+    if args.pretrain is not None:
+        if not (args.pretrain / "config.json").is_file():
+            sys.exit(f"--pretrain {args.pretrain}: no config.json there")
+        warm = args.pretrain.resolve()
+    else:
+        warm = warm_model(args).resolve()
+    found = run_sides(args, job_flags(args, warm))
     line = report(found, args, warm)
     print(line)
     return 0

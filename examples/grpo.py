@@ -172,7 +172,8 @@ class Run:
 
     def __init__(self, config: StrategyConfig, opts: argparse.Namespace) -> None:
         self.config, self.opts, self.out = config, opts, opts.out
-        self.train_set, self.held_out = self._problems()  # bad files fail before any rank joins
+        # bad files fail before any rank joins
+        self.train_set, self.held_out = load_problems(opts, config.seed)
         self.strategy = strategy = get_strategy(config)
         self.clock = StepClock(strategy.device)
         try:
@@ -257,31 +258,6 @@ class Run:
         """The RL phase's reference model is the warm-up's result (so a resumed RL phase
         gets the same reference back)."""
         self.strategy.load_model(self.reference, self.out / "sft_model", strict=True)
-
-    def _problems(self) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-        opts = self.opts
-        if opts.prompts is None:
-            try:
-                return arithmetic.addition_problems(
-                    opts.operand_limit, opts.held_out, self.config.seed
-                )
-            except ValueError as exc:
-                raise BadInputError(f"--held-out/--operand-limit: {exc}") from None
-        try:
-            rows = arithmetic.read_problems(opts.prompts)
-            if opts.eval_prompts is not None:
-                return rows, arithmetic.read_problems(opts.eval_prompts)
-        except OSError as exc:
-            raise BadInputError(
-                f"{exc.filename}: {exc.strerror}; pass a JSONL file of problems"
-            ) from None
-        except ValueError as exc:
-            raise BadInputError(str(exc)) from None
-        if not 0 < opts.held_out < len(rows):
-            raise BadInputError(
-                f"--held-out {opts.held_out}: {opts.prompts} has {len(rows)} problems"
-            )
-        return rows[opts.held_out :], rows[: opts.held_out]
 
     def encode(self, text: str) -> list[int]:
         """Plain text's ids (the warm-up's demonstrations)."""
@@ -516,6 +492,32 @@ class Run:
 
     def _mean(self, parts: list[dict[str, float]], key: str) -> float:
         return self._reduce(sum(p[key] for p in parts) / max(len(parts), 1))
+
+
+def load_problems(
+    opts: argparse.Namespace, seed: int
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """The run's (training, held-out) problems: ``--prompts`` (and ``--eval-prompts``, or
+    its first ``--held-out`` problems), else the built-in addition task. A file the run
+    cannot use raises :class:`BadInputError` naming it."""
+    if opts.prompts is None:
+        try:
+            return arithmetic.addition_problems(opts.operand_limit, opts.held_out, seed)
+        except ValueError as exc:
+            raise BadInputError(f"--held-out/--operand-limit: {exc}") from None
+    try:
+        rows = arithmetic.read_problems(opts.prompts)
+        if opts.eval_prompts is not None:
+            return rows, arithmetic.read_problems(opts.eval_prompts)
+    except OSError as exc:
+        raise BadInputError(
+            f"{exc.filename}: {exc.strerror}; pass a JSONL file of problems"
+        ) from None
+    except ValueError as exc:
+        raise BadInputError(str(exc)) from None
+    if not 0 < opts.held_out < len(rows):
+        raise BadInputError(f"--held-out {opts.held_out}: {opts.prompts} has {len(rows)} problems")
+    return rows[opts.held_out :], rows[: opts.held_out]
 
 
 def _load_model(path: str | Path) -> Any:

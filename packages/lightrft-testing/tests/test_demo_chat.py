@@ -19,13 +19,9 @@ from typing import Any
 import pytest
 import torch
 
+from lightrft.testing.models import save_tiny_chat_model
+
 GRPO = Path(__file__).resolve().parents[3] / "examples" / "grpo.py"
-#: A ChatML template, as SmolLM2's and Qwen2's instruct models use.
-CHATML = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
-    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
-SPECIAL = ["<|im_start|>", "<|im_end|>", "<pad>"]
 
 
 def _job() -> Any:
@@ -35,36 +31,9 @@ def _job() -> Any:
     return grpo
 
 
-def build_chat_model(path: Path) -> Path:
-    """A character-level tokenizer with ChatML's special tokens and template (eos is
-    ``<|im_end|>``, as in instruct models) and a random two-layer Qwen2."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
-
-    characters = [chr(c) for c in range(32, 127)] + ["\n"]
-    vocab = {c: i for i, c in enumerate([*characters, *SPECIAL])}
-    core = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
-    core.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
-    core.decoder = decoders.Fuse()
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=core, eos_token="<|im_end|>", pad_token="<pad>",
-        additional_special_tokens=["<|im_start|>"],
-    )  # fmt: skip
-    tokenizer.chat_template = CHATML
-    tokenizer.save_pretrained(path)
-    torch.manual_seed(0)
-    config = Qwen2Config(
-        vocab_size=len(vocab), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=256,
-        eos_token_id=vocab["<|im_end|>"], pad_token_id=vocab["<pad>"], bos_token_id=None,
-    )  # fmt: skip
-    Qwen2ForCausalLM(config).save_pretrained(path)
-    return path
-
-
 @pytest.fixture(scope="module")
 def chat_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_chat_model(tmp_path_factory.mktemp("chat") / "model")
+    return save_tiny_chat_model(tmp_path_factory.mktemp("chat") / "model")
 
 
 @pytest.fixture(scope="module")

@@ -7,6 +7,8 @@ no download, seconds on a CPU.
 * :func:`tiny_qwen2_config` / :func:`tiny_hf_causal_lm`: a randomly initialised
   Hugging Face Qwen2 built from a config when transformers is installed (HF export,
   engine and weight-sync tests).
+* :func:`save_tiny_chat_model`: a tiny instruct-format model directory, tokenizer with
+  a ChatML template included, as a user's pretrained chat model comes.
 
 Every model keeps its blocks in an ``nn.ModuleList`` named ``layers`` and names the
 block class in ``_no_split_modules``, so FSDP2 shards it block by block.
@@ -203,6 +205,45 @@ def save_tiny_qwen2(path: str | Path, seed: int = 0, **overrides: Any) -> Path:
     torch.manual_seed(seed)
     model = tiny_hf_causal_lm(**{**ENGINE_QWEN2, **overrides})
     model.save_pretrained(str(path))  # type: ignore[operator]
+    return Path(path)
+
+
+#: A ChatML template, as SmolLM2's and Qwen2's instruct models use.
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+#: The chat model's special tokens, after its printable characters and newline.
+CHAT_SPECIAL_TOKENS = ("<|im_start|>", "<|im_end|>", "<pad>")
+
+
+def save_tiny_chat_model(path: str | Path, seed: int = 0) -> Path:
+    """Save a tiny chat model as a pretrained instruct model comes: a character-level
+    fast tokenizer with ChatML's special tokens and :data:`CHATML` template (eos
+    ``<|im_end|>``, as instruct models end a turn; pad ``<pad>``) and a random two-layer
+    Qwen2 (``torch.manual_seed(seed)``) over its 99 ids. Needs transformers (and
+    tokenizers, which it installs). Returns the directory."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    hf = _transformers("save_tiny_chat_model")
+    characters = [chr(c) for c in range(32, 127)] + ["\n"]
+    vocab = {c: i for i, c in enumerate([*characters, *CHAT_SPECIAL_TOKENS])}
+    core = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    core.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
+    core.decoder = decoders.Fuse()
+    tokenizer = hf.PreTrainedTokenizerFast(
+        tokenizer_object=core, eos_token="<|im_end|>", pad_token="<pad>",
+        additional_special_tokens=["<|im_start|>"],
+    )  # fmt: skip
+    tokenizer.chat_template = CHATML
+    tokenizer.save_pretrained(str(path))
+    torch.manual_seed(seed)
+    config = hf.Qwen2Config(
+        vocab_size=len(vocab), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=256,
+        eos_token_id=vocab["<|im_end|>"], pad_token_id=vocab["<pad>"], bos_token_id=None,
+    )  # fmt: skip
+    hf.Qwen2ForCausalLM(config).save_pretrained(str(path))
     return Path(path)
 
 
