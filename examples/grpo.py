@@ -74,19 +74,32 @@ import arithmetic  # noqa: E402  (the task, beside this file)
 from prompting import PromptEncoder, stop_ids  # noqa: E402
 
 #: Rates and settings by starting point, for the flags left unset. ``demo``: tuned here
-#: for the tiny model the demo builds and warms up. ``pretrained`` (``--pretrain``): a
-#: published model is easy to harm, so the settings of published GRPO recipes for
-#: pretrained models: policy learning rate 1e-6 (DeepSeekMath's GRPO; the defaults of
-#: TRL's GRPOConfig, verl's actor, OpenRLHF and upstream LightRFT's train_colocate.py),
-#: a KL loss to the reference of 0.001 (verl's GRPO example scripts, k3 as here), no
-#: weight decay (the config's l2, 0 in grpo.yaml: TRL's, OpenRLHF's and LightRFT's
-#: default), completions of up to 512 tokens (TRL's max_completion_length), and no
-#: gain check (a user's run reports its gain and exits 0).
+#: for the tiny model the demo builds and warms up. ``pretrained`` (``--pretrain``):
+#: chosen for a real instruct model to learn within minutes on a CPU (README, "A real
+#: pretrained model": SmolLM2-135M-Instruct on word problems, the sweep behind each
+#: value). Published GRPO recipes run the policy at 1e-6 (DeepSeekMath; TRL's, verl's,
+#: OpenRLHF's and upstream LightRFT's defaults) for hundreds of steps of 256-1,024
+#: prompts; at 4 prompts a step and a dozen steps, 1e-6 moved nothing (12 steps: 0.30 ->
+#: 0.24, noise) where 1e-5 raised held-out accuracy 0.225 -> 0.405 in 10 steps. The
+#: k3 KL loss of 0.001 is verl's GRPO examples' (it bounds the drift: KL 0.02 at step
+#: 10); the group of 8 is TRL's num_generations default; 96 tokens leave the answer
+#: room (at 64 most completions hit the cap before it); no weight decay (l2 0); no
+#: warm-up and no gain check (a user's run reports its gain and exits 0).
 RECIPES: dict[str, dict[str, Any]] = {
     "demo": {"sft_steps": 150, "sft_learning_rate": 1e-3, "rl_learning_rate": 2e-4,
-             "kl_coef": 0.0, "new_tokens": 4, "min_gain": 0.1},
-    "pretrained": {"sft_steps": 0, "sft_learning_rate": 1e-5, "rl_learning_rate": 1e-6,
-                   "kl_coef": 1e-3, "new_tokens": 512, "min_gain": None},
+             "kl_coef": 0.0, "new_tokens": 4, "min_gain": 0.1, "steps": 80, "eval_every": 20},
+    "pretrained": {"sft_steps": 0, "sft_learning_rate": 1e-5, "rl_learning_rate": 1e-5,
+                   "kl_coef": 1e-3, "new_tokens": 96, "min_gain": None, "steps": 12,
+                   "eval_every": 6},
+}  # fmt: skip
+#: Each recipe's configuration defaults (``StrategyConfig.load(defaults=...)``): under
+#: the config file, the environment and the flags. The demo: 2 ranks x 16 problems x 8
+#: completions a step; a pretrained model: 2 ranks x 2 problems x 8 (a step in about a
+#: minute on 2 CPU cores).
+RECIPE_CONFIG: dict[str, dict[str, Any]] = {
+    "demo": {"n_samples_per_prompt": 8, "train_batch_size": 256, "micro_train_batch_size": 64},
+    "pretrained": {"n_samples_per_prompt": 8, "train_batch_size": 32,
+                   "micro_train_batch_size": 8},
 }  # fmt: skip
 
 log = logging.getLogger("grpo")
@@ -623,16 +636,29 @@ def write_run_config(out: Path, config: StrategyConfig, opts: argparse.Namespace
     (out / "run_config.json").write_text(text + "\n")
 
 
-def _effective_config(argv: list[str] | None) -> dict[str, Any]:
-    """The configuration a run without strategy flags would use (file and environment
-    applied): what --help shows as each flag's default."""
+def _effective_config(argv: list[str] | None) -> tuple[dict[str, Any], str]:
+    """The configuration a run without strategy flags would use (its recipe's defaults,
+    the file and the environment applied: what --help shows as each flag's default),
+    and the recipe: ``--recipe``, else ``pretrained`` when a model is given (by
+    ``--pretrain``, the file's ``pretrain:`` or LIGHTRFT_PRETRAIN), else ``demo``."""
     early = argparse.ArgumentParser(add_help=False)
     early.add_argument("--config", default=str(HERE / "grpo.yaml"))
+    early.add_argument("--recipe", default="auto")
+    early.add_argument("--pretrain", default=None)
     known, _ = early.parse_known_args(argv)
     try:
-        return StrategyConfig.load(file=known.config).model_dump()
+        loaded = StrategyConfig.load(file=known.config).model_dump()
     except (ConfigError, OSError, ValueError):
-        return {}  # the real parse names the problem
+        loaded = {}  # the real parse names the problem
+    recipe = known.recipe
+    if recipe not in RECIPES:  # auto (or a bad value, which the parser names)
+        given = known.pretrain or (loaded.get("extra_args") or {}).get("pretrain")
+        recipe = "pretrained" if given else "demo"
+    try:
+        effective = StrategyConfig.load(file=known.config, defaults=RECIPE_CONFIG[recipe])
+        return effective.model_dump(), recipe
+    except (ConfigError, OSError, ValueError):
+        return loaded, recipe
 
 
 #: The job's own options (every other flag is a StrategyConfig field).
@@ -668,7 +694,7 @@ def build_parser(effective: dict[str, Any]) -> argparse.ArgumentParser:
 
     add("--config", default=str(HERE / "grpo.yaml"), help="YAML or JSON config")
     add("--sft-steps", type=int, default=None, help="supervised warm-up steps before RL")
-    add("--steps", type=int, default=80, help="GRPO steps after the warm-up")
+    add("--steps", type=int, default=None, help="GRPO steps after the warm-up")
     add("--out", type=Path, default=Path("runs/demo"), help="run directory")
     add("--resume", action="store_true", help="continue from the latest checkpoint")
     add(
@@ -744,7 +770,7 @@ def build_parser(effective: dict[str, Any]) -> argparse.ArgumentParser:
         help="truncated importance sampling: weight the loss by min(trainer/engine "
         "probability, cap); 0 turns it off",
     )
-    add("--eval-every", type=int, default=20, help="GRPO steps between held-out evaluations")
+    add("--eval-every", type=int, default=None, help="GRPO steps between held-out evaluations")
     add("--save-every", type=int, default=30, help="steps between checkpoints")
     add(
         "--samples-every",
@@ -779,7 +805,7 @@ def model_source(opts: argparse.Namespace, effective: dict[str, Any]) -> str | N
 
 
 def parse(argv: list[str] | None) -> tuple[StrategyConfig, argparse.Namespace]:
-    effective = _effective_config(argv)
+    effective, recipe = _effective_config(argv)
     parser = build_parser(effective)
     given = vars(parser.parse_args(argv))
     opts = argparse.Namespace(**{n: given.pop(n) for n in JOB_OPTIONS})
@@ -790,8 +816,7 @@ def parse(argv: list[str] | None) -> tuple[StrategyConfig, argparse.Namespace]:
         StrategyConfig.model_fields["actor_learning_rate"].default,
     ):  # set by the config file or LIGHTRFT_ACTOR_LEARNING_RATE: the RL rate
         opts.rl_learning_rate = file_rate
-    if opts.recipe == "auto":
-        opts.recipe = "pretrained" if opts.pretrain else "demo"
+    opts.recipe = recipe  # (auto resolved: the model's source, as model_source found it)
     for name, value in RECIPES[opts.recipe].items():
         if getattr(opts, name) is None:
             setattr(opts, name, value)
@@ -803,8 +828,9 @@ def parse(argv: list[str] | None) -> tuple[StrategyConfig, argparse.Namespace]:
     # the config holds the RL rate (actor_learning_rate, as upstream's); the warm-up's
     # rate is set on the optimizer for its steps (Run.start_phase)
     config = StrategyConfig.load(
-        file=opts.config, args=given, actor_learning_rate=opts.rl_learning_rate
-    )
+        file=opts.config, args=given, defaults=RECIPE_CONFIG[recipe],
+        actor_learning_rate=opts.rl_learning_rate,
+    )  # fmt: skip
     return config, opts
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from lightrft.config import StrategyConfig
+from lightrft.config import ConfigError, StrategyConfig
 
 
 def test_yaml_and_json_files_give_the_same_config(tmp_path: Path) -> None:
@@ -82,6 +82,25 @@ def test_precedence_defaults_file_env_cli_overrides(tmp_path: Path) -> None:
     assert config.sp_size == 16  # keyword override over command line
     assert config.train_batch_size == 128  # untouched default
     assert config.extra_args == {"team": "file"}
+
+
+def test_a_programs_defaults_sit_below_the_file(tmp_path: Path) -> None:
+    """``defaults`` (a program's own, as the demo's recipe): over the fields' defaults,
+    under the file, the environment and the flags; a bad one is named by its source."""
+    path = tmp_path / "c.yaml"
+    path.write_text("seed: 1\n")
+    mine = {"seed": 7, "train_batch_size": 32, "micro_train_batch_size": 8, "l2": 0.5}
+    config = StrategyConfig.load(
+        file=path, environ={"LIGHTRFT_L2": "0.2"}, args={"micro_train_batch_size": 4},
+        defaults=mine,
+    )  # fmt: skip
+    assert config.seed == 1  # the file over the program's defaults
+    assert config.l2 == 0.2  # the environment over them
+    assert config.micro_train_batch_size == 4  # a flag over them
+    assert config.train_batch_size == 32  # the program's default over the field's (128)
+    assert StrategyConfig.load(environ={}, defaults={}).train_batch_size == 128
+    with pytest.raises(ConfigError, match=r"zero_stage.*the program's defaults"):
+        StrategyConfig.load(environ={}, defaults={"zero_stage": 7})
 
 
 def test_from_argv_layers_flags_over_file_and_environment(tmp_path: Path) -> None:

@@ -130,8 +130,8 @@ def test_a_step_without_reward_signal_leaves_every_weight_and_logs_completions(
         assert sample["reward"] == 0.0 and sample["answer"] > 10**6
     # the run's settings as used, and the pretrained recipe's rates
     used = json.loads((tmp_path / "run_config.json").read_text())
-    assert used["job"]["recipe"] == "pretrained" and used["job"]["rl_learning_rate"] == 1e-6
-    assert used["strategy"]["actor_learning_rate"] == 1e-6
+    assert used["job"]["recipe"] == "pretrained" and used["job"]["rl_learning_rate"] == 1e-5
+    assert used["strategy"]["actor_learning_rate"] == 1e-5
 
 
 def _help_default(text: str, flag: str) -> str:
@@ -143,7 +143,10 @@ def _help_default(text: str, flag: str) -> str:
 
 
 def test_help_shows_the_defaults_a_run_uses(
-    chat_model: Path, capsys: pytest.CaptureFixture[str], tmp_path: Path
+    chat_model: Path,
+    capsys: pytest.CaptureFixture[str],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     grpo = _job()
     with pytest.raises(SystemExit):
@@ -168,8 +171,24 @@ def test_help_shows_the_defaults_a_run_uses(
     assert f"{pretrained['rl_learning_rate']} for a pretrained one" in rates
     assert opts.rl_learning_rate == pretrained["rl_learning_rate"]
     assert opts.kl_coef == pretrained["kl_coef"] and opts.min_gain is None
-    assert opts.new_tokens == pretrained["new_tokens"] == 512
+    assert opts.new_tokens == pretrained["new_tokens"] == 96
     assert opts.sft_steps == pretrained["sft_steps"] == 0  # no warm-up on bare answers
+    # the recipe's batch (RECIPE_CONFIG), under the file, the environment and the flags
+    assert (config.n_samples_per_prompt, config.train_batch_size) == (8, 32)
+    config, _ = grpo.parse(["--pretrain", str(chat_model), "--train_batch_size", "64"])
+    assert config.train_batch_size == 64
+    monkeypatch.setenv("LIGHTRFT_TRAIN_BATCH_SIZE", "48")
+    assert grpo.parse(["--pretrain", str(chat_model)])[0].train_batch_size == 48
+    monkeypatch.delenv("LIGHTRFT_TRAIN_BATCH_SIZE")
+    mine = tmp_path / "mine.yaml"
+    mine.write_text("train_batch_size: 16\n")
+    assert (
+        grpo.parse(["--pretrain", str(chat_model), "--config", str(mine)])[0].train_batch_size == 16
+    )
+    with pytest.raises(SystemExit):
+        grpo.parse(["--pretrain", str(chat_model), "--help"])
+    shown = capsys.readouterr().out  # --help with a model: the pretrained recipe's batch
+    assert _help_default(shown, "--train-batch-size") == "32"
     # --actor_learning_rate is the RL phase's rate (one flag, three names)
     config, opts = grpo.parse(["--sft-steps", "0", "--actor_learning_rate", "3e-6"])
     assert opts.rl_learning_rate == config.actor_learning_rate == 3e-6
@@ -189,7 +208,7 @@ def test_every_job_flag_shows_the_default_a_run_uses(
     """Each of the job's own flags: the help's default is the value parse() gives, for
     the built-in model and (the recipe's flags) for a pretrained one."""
     grpo = _job()
-    effective = grpo._effective_config([])
+    effective, _ = grpo._effective_config([])
     parser = grpo.build_parser(effective)
     _, demo = grpo.parse([])
     _, pretrained = grpo.parse(["--pretrain", str(chat_model)])
@@ -222,7 +241,7 @@ def test_the_recipe_follows_the_model_wherever_it_is_given(
     file.write_text((GRPO.parent / "grpo.yaml").read_text() + f"pretrain: {chat_model}\n")
     _, opts = grpo.parse(["--config", str(file)])
     assert (opts.recipe, opts.pretrain, opts.model_source) == ("pretrained", chat_model, str(file))
-    assert (opts.rl_learning_rate, opts.sft_steps, opts.kl_coef) == (1e-6, 0, 1e-3)
+    assert (opts.rl_learning_rate, opts.sft_steps, opts.kl_coef) == (1e-5, 0, 1e-3)
     monkeypatch.setenv("LIGHTRFT_PRETRAIN", str(chat_model))
     _, opts = grpo.parse([])
     assert (opts.recipe, opts.pretrain, opts.model_source) == (

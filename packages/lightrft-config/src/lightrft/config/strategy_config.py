@@ -763,17 +763,21 @@ class StrategyConfig(BaseModel):
         file: str | os.PathLike[str] | None = None,
         environ: Mapping[str, str] | None = None,
         args: Any = None,
+        defaults: Mapping[str, Any] | None = None,
         **overrides: Any,
     ) -> StrategyConfig:
         """Layered loading. Later layers win:
 
-        defaults < ``file`` < environment (``LIGHTRFT_*``; ``os.environ`` when
-        ``environ`` is None, pass ``{}`` to ignore it) < ``args`` (flags given on
-        the command line, a mapping or namespace) < keyword ``overrides``.
+        the fields' defaults < ``defaults`` (a program's own, e.g. a recipe's) <
+        ``file`` < environment (``LIGHTRFT_*``; ``os.environ`` when ``environ`` is
+        None, pass ``{}`` to ignore it) < ``args`` (flags given on the command line, a
+        mapping or namespace) < keyword ``overrides``.
         """
         layers = sources.collect_layers(
             cls, file=file, environ=os.environ if environ is None else environ, args=args
         )
+        if defaults:
+            layers.insert(0, (dict(defaults), dict.fromkeys(defaults, "the program's defaults")))
         layers.append((dict(overrides), dict.fromkeys(overrides, "keyword argument")))
         values, origin = sources.merge_layers(layers)
         return cls._from_values(values, origin)
