@@ -80,7 +80,8 @@ from prompting import PromptEncoder, stop_ids  # noqa: E402
 #: value). Published GRPO recipes run the policy at 1e-6 (DeepSeekMath; TRL's, verl's,
 #: OpenRLHF's and upstream LightRFT's defaults) for hundreds of steps of 256-1,024
 #: prompts; at 4 prompts a step and a dozen steps, 1e-6 moved nothing (12 steps: 0.30 ->
-#: 0.24, noise) where 1e-5 raised held-out accuracy 0.225 -> 0.405 in 10 steps. The
+#: 0.24, noise) where 1e-5 raised held-out accuracy 0.225 -> 0.41 in 12 steps at seed
+#: 42 (+5.0 and -1.0 points at seeds 1 and 2: not yet robust, issue 43). The
 #: k3 KL loss of 0.001 is verl's GRPO examples' (it bounds the drift: KL 0.02 at step
 #: 10); the group of 8 is TRL's num_generations default; 96 tokens leave the answer
 #: room (at 64 most completions hit the cap before it); no weight decay (l2 0); no
