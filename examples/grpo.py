@@ -29,7 +29,9 @@ configuration selects (``--backend fsdp2|deepspeed|fake``, ``--zero_stage``,
 ``--engine_type hf|vllm|sglang|fake``, ``--device``), and on a real model and data set:
 ``--pretrain`` a Hugging Face model directory (with its tokenizer) and ``--prompts`` a
 JSONL of ``{"prompt": ..., "answer": <integer>}`` (``--eval-prompts`` for the held-out
-set, else ``--held-out`` problems of ``--prompts`` are kept aside). The run directory
+set, else ``--held-out`` problems of ``--prompts`` are kept aside). An evaluation is
+greedy accuracy on the held-out set and, once RL has begun, ``held_out_kl``: the
+policy's KL to the reference on completions it samples for held-out prompts. The run directory
 (``--out``) gets ``metrics.jsonl``, TensorBoard logs (``use_tensorboard``), ``plot.png``
 and rotated checkpoints; ``--resume`` continues from the latest checkpoint with the
 same per-step metrics as an uninterrupted run (``--stop-after N`` stops after step N as
@@ -103,6 +105,9 @@ RECIPE_CONFIG: dict[str, dict[str, Any]] = {
                    "micro_train_batch_size": 8},
 }  # fmt: skip
 
+#: Held-out problems per replica whose sampled completions give ``held_out_kl``.
+HELD_OUT_KL_PROBLEMS = 16
+
 log = logging.getLogger("grpo")
 
 
@@ -116,7 +121,7 @@ class BadInputError(Exception):
 PANELS = {
     "fraction right": ["reward", "held_out_accuracy"],
     "loss": ["sft_loss", "loss"],
-    "KL to the reference (nats/token)": ["kl"],
+    "KL to the reference (nats/token)": ["kl", "held_out_kl"],
     "rollout KL, engine to trainer (nats/token)": ["rollout_kl"],
     "rollout log-prob gap (nats)": ["logprob_abs_diff", "logprob_max_abs_diff"],
     "entropy (nats/token)": ["entropy"],
@@ -339,9 +344,43 @@ class Run:
         return {"phase": "sft", "sft_loss": self._mean(parts, "sft_loss"), "train_s": train_s,
                 **seconds}  # fmt: skip
 
-    def evaluate(self) -> tuple[float, list[dict[str, Any]]]:
+    def evaluate(self, step: int | None = None) -> tuple[dict[str, float], list[dict[str, Any]]]:
         """Greedy accuracy on the held-out problems (each replica grades its share), and
-        this replica's first few problems with their completions."""
+        this replica's first few problems with their completions. Given the RL ``step``,
+        also the policy's KL to the reference on held-out prompts (``held_out_kl``)."""
+        accuracy, shown = self._greedy_accuracy()
+        numbers = {"held_out_accuracy": accuracy}
+        if step is not None:
+            numbers["held_out_kl"] = self.held_out_kl(step)
+        return numbers, shown
+
+    def held_out_kl(self, step: int) -> float:
+        """KL(policy || reference) in nats per token on this replica's first
+        ``HELD_OUT_KL_PROBLEMS`` held-out problems: one completion each, sampled from
+        the policy at the rollout temperature (seeded by the step), and the k3 estimate
+        ``exp(r) - 1 - r`` (r: reference minus policy log-probability) averaged over
+        every rank's completion tokens: the training KL's estimator, on prompts the run
+        never trains on."""
+        mine = self.held_out[self.replica :: self.replicas][:HELD_OUT_KL_PROBLEMS]
+        prompts = [self.prompting.encode(p["prompt"]) for p in mine]
+        sampling = SamplingParams(
+            max_new_tokens=self.opts.new_tokens, temperature=self.opts.temperature,
+            seed=self.config.seed * 100_003 + step + 50_021, stop_token_ids=self.stops,
+        )  # fmt: skip
+        outputs = self.strategy.gather_and_generate(prompts, sampling, sleep_engine=True)
+        rows = [(p, list(o.output_token_ids)) for p, o in zip(prompts, outputs, strict=True)]
+        batch = build_batch(rows, range(len(rows)), False, self.pad).to(self.strategy.device)
+        with torch.no_grad():
+            logp, _ = token_logprobs(self.actor, batch, self.opts.temperature)
+            ref_logp, _ = token_logprobs(self.reference, batch, self.opts.temperature)
+        log_ratio = ref_logp - logp
+        kl = log_ratio.exp() - log_ratio - 1
+        totals = self.strategy.all_reduce(
+            torch.stack([kl.sum(), kl.new_tensor(kl.numel())]).cpu(), op="sum"
+        )
+        return float(totals[0] / totals[1])
+
+    def _greedy_accuracy(self) -> tuple[float, list[dict[str, Any]]]:
         self.sync()
         mine = self.held_out[self.replica :: self.replicas]
         greedy = SamplingParams(
@@ -566,8 +605,8 @@ def train(config: StrategyConfig, opts: argparse.Namespace) -> dict[str, Any]:
     )
     examples: dict[int, list[dict[str, Any]]] = {}
     if first == 1:  # the model as it starts (the warm-up's, with --pretrain and --sft-steps 0)
-        accuracy, examples[0] = run.evaluate()
-        runlog.log(0, {"phase": "start", "held_out_accuracy": accuracy})
+        held_out, examples[0] = run.evaluate()
+        runlog.log(0, {"phase": "start", **held_out})
         runlog.log_samples(0, examples[0], kind="held_out")
     if opts.sft_steps and first > opts.sft_steps + 1:  # resumed within the RL phase
         run.adopt_reference()
@@ -582,7 +621,9 @@ def train(config: StrategyConfig, opts: argparse.Namespace) -> dict[str, Any]:
             or step == run.total
             or (rl_done > 0 and rl_done % opts.eval_every == 0)
         ):
-            row["held_out_accuracy"], examples[step] = run.evaluate()
+            # the policy's KL to the reference on held-out prompts once RL has begun
+            held_out, examples[step] = run.evaluate(step if rl_done > 0 else None)
+            row |= held_out
             runlog.log_samples(step, examples[step], kind="held_out")
         runlog.log(step, row)
         if samples and (rl_done % opts.samples_every == 0 or rl_done == 1):
@@ -855,6 +896,9 @@ def summary(rows: list[dict[str, Any]], opts: argparse.Namespace) -> tuple[str, 
     after, gain = accuracy[after_step], accuracy[after_step] - before
     kl = [r["kl"] for r in rows if "kl" in r]
     kl_text = f", KL to the reference {kl[-1]:.2g} at the last trained step" if kl else ""
+    held_out_kl = [r["held_out_kl"] for r in rows if "held_out_kl" in r]
+    if held_out_kl:
+        kl_text += f", {held_out_kl[-1]:.2g} on held-out prompts"
     skipped = sum(1 for r in rows if r.get("skipped"))
     skip_text = f", {skipped} step(s) skipped (no reward signal)" if skipped else ""
     return (

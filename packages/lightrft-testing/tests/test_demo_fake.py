@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 GRPO = Path(__file__).resolve().parents[3] / "examples" / "grpo.py"
-SAME = ("reward", "loss", "kl", "entropy", "logprob_abs_diff", "held_out_accuracy")
+SAME = ("reward", "loss", "kl", "entropy", "logprob_abs_diff", "held_out_accuracy", "held_out_kl")
 
 
 def _run(*args: str) -> None:
@@ -110,6 +110,27 @@ def test_fake_strategy_and_fake_engine_learn_and_resume_exactly(
     assert [r["step"] for r in full] == [r["step"] for r in resumed] == list(range(21))
     for a, b in zip(full, resumed, strict=True):
         assert {k: a.get(k) for k in SAME} == {k: b.get(k) for k in SAME}, a["step"]
+
+
+@pytest.mark.timeout(600)
+def test_the_held_out_kl_is_the_policys_distance_from_the_reference(
+    warm_model: Path, tmp_path: Path
+) -> None:
+    """Every evaluation after an RL step reports ``held_out_kl``, the policy's KL to the
+    reference on sampled completions of held-out prompts: 0 while the weights stay the
+    reference's (the control: an RL rate of 1e-30, below fp32's resolution of any weight
+    that is not 0), above 0 once RL moves them."""
+    kl = {}
+    for rate in ("1e-30", "2e-4"):
+        out = tmp_path / rate
+        _run(*_rl(warm_model, "--engine_type", "fake", "--steps", "2", "--eval-every", "1",
+                  "--rl-learning-rate", rate), "--out", str(out))  # fmt: skip
+        rows = _metrics(out)
+        assert "held_out_kl" not in rows[0]  # the start: the policy is the reference
+        kl[rate] = [r["held_out_kl"] for r in rows[1:]]
+        assert len(kl[rate]) == 2, rows
+    assert max(kl["1e-30"]) < 1e-9, kl
+    assert min(kl["2e-4"]) > 1e-6, kl
 
 
 PARTS = ("forward_s", "reference_s", "backward_s", "optimizer_s")
