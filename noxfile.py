@@ -61,6 +61,7 @@ BENCH_QUICK_VLLM = {
     ],
     "lora_sync.py": ["--rounds", "1", "--rank", "2", "--layers", "1", "--hidden", "64",
                      "--vocab", "256"],
+    "generation.py": ["--quick"],  # a tiny chat model, hf and vllm engines
 }  # fmt: skip
 
 

@@ -109,7 +109,7 @@ def run(opts: argparse.Namespace) -> None:
     raw_model = AutoModelForCausalLM.from_pretrained(opts.model, dtype=dtype).eval()
     ours = SamplingParams(
         n=opts.group, max_new_tokens=opts.new_tokens, temperature=opts.temperature,
-        stop_token_ids=stops, logprobs=True,
+        stop_token_ids=tuple(stops), logprobs=True,
     )  # fmt: skip
     pad = int(tokenizer.pad_token_id or 0)
     rows = [p for p in prompts for _ in range(opts.group)]

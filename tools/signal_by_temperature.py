@@ -69,7 +69,7 @@ def main() -> None:
             for k, row in enumerate(out[:, batch.input_ids.shape[1] :].tolist()):
                 ended = next((j for j, t in enumerate(row) if t in stops), None)
                 capped += ended is None
-                text = tokenizer.decode(row[:ended], skip_special_tokens=True)
+                text = str(tokenizer.decode(row[:ended], skip_special_tokens=True))
                 answer = problems[(first + k) // opts.group]["answer"]
                 right.append(is_correct(text, int(answer)))
         groups = [right[i : i + opts.group] for i in range(0, len(right), opts.group)]
