@@ -286,6 +286,7 @@ def test_two_ranks_tp2_generate_from_the_trained_weights(
     for r in ranks:  # one TP group: both ranks refuse rank 1's bad prompt, none generates
         assert "prompt 1 of rank 1: token id 500" in r["errors"]["prompt"]
         assert r["usable"] and r["kept"] and r["versions"] == [1]
+        assert r["threads_kept"], "building vLLM rebound the trainer's threads or cores"
         assert r["stats"]["max_logprob_gap"] < 1e-3
         assert "keeps its previous weights" in r["errors"]["names"]
         assert "the engine's weights are not the trainer's" in r["errors"]["stale"]

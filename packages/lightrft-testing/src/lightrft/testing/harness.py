@@ -19,6 +19,7 @@ strategy's own ``build_scheduler`` is never its own reference.
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable, Mapping
 from contextlib import nullcontext
 from pathlib import Path
@@ -245,7 +246,8 @@ def train_sync_generate(
     skipped one (``errors["stale"]``); an out-of-vocabulary prompt on rank 1
     (``errors["prompt"]`` on the ranks of its engine group) leaves the engine usable
     (``usable``); a sync under other names is refused (``errors["names"]``) and keeps
-    the engine's weights (``kept``)."""
+    the engine's weights (``kept``); building the engine leaves the rank's torch threads
+    and CPU affinity as they were (``threads_kept``)."""
     from transformers import AutoModelForCausalLM
 
     from lightrft.engines import EngineError, PromptError, SamplingParams, WeightMismatchError
@@ -259,7 +261,11 @@ def train_sync_generate(
         model, None, None, None, None, 10
     )
     rank = strategy.get_rank()
+    threads = (torch.get_num_threads(), sorted(os.sched_getaffinity(0)))
     engine = strategy.setup_inference_engine(None, engine_type, actor=None)
+    # the trainer's threads and cores are its own: an engine built in the same process
+    # must leave them (vLLM's CPU worker sets up OpenMP thread binding as it starts)
+    threads_kept = (torch.get_num_threads(), sorted(os.sched_getaffinity(0))) == threads
     greedy = SamplingParams(max_new_tokens=6, temperature=0)
     prompts = [[5, 17, 99, 3], [42], [7, 7, 7, 7, 7]] if rank == 0 else [[11, 12]]
     before = strategy.gather_and_generate(prompts, greedy)
@@ -310,4 +316,5 @@ def train_sync_generate(
         "errors": errors,
         "usable": usable,
         "kept": kept,
+        "threads_kept": threads_kept,
     }
