@@ -369,7 +369,9 @@ class Run:
         )  # fmt: skip
         outputs = self.strategy.gather_and_generate(prompts, sampling, sleep_engine=True)
         rows = [(p, list(o.output_token_ids)) for p, o in zip(prompts, outputs, strict=True)]
-        batch = build_batch(rows, range(len(rows)), False, self.pad).to(self.strategy.device)
+        # laid out as training lays out a micro-batch (packed with packing_samples)
+        packed = self.config.packing_samples
+        batch = build_batch(rows, range(len(rows)), packed, self.pad).to(self.strategy.device)
         with torch.no_grad():
             logp, _ = token_logprobs(self.actor, batch, self.opts.temperature)
             ref_logp, _ = token_logprobs(self.reference, batch, self.opts.temperature)

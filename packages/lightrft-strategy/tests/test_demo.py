@@ -167,7 +167,7 @@ def test_rl_runs_as_a_two_node_job_with_a_sleeping_engine(warm_model: Path, tmp_
 def test_rl_at_sp_size_2_trains_as_at_sp_size_1(warm_model: Path, tmp_path: Path) -> None:
     """The same config on 2 ranks at sp_size=2 (one data-parallel replica whose sequences
     are split in half) and on 1 rank at sp_size=1 (one replica, whole sequences): the same
-    rollouts, rewards, losses and KL step by step."""
+    rollouts, rewards, losses and KL step by step, and the same held-out KL."""
     runs = {}
     for sp in (1, 2):
         out = tmp_path / f"sp{sp}"
@@ -183,6 +183,8 @@ def test_rl_at_sp_size_2_trains_as_at_sp_size_1(warm_model: Path, tmp_path: Path
         assert one["reward"] == two["reward"], one["step"]  # same rollouts
         assert two["loss"] == pytest.approx(one["loss"], abs=1e-5), one["step"]
         assert two["kl"] == pytest.approx(one["kl"], abs=1e-6), one["step"]
+    # the held-out KL (step 3's evaluation) through the same split forward
+    assert runs[2][-1]["held_out_kl"] == pytest.approx(runs[1][-1]["held_out_kl"], abs=1e-6)
 
 
 @pytest.mark.distributed
