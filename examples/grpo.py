@@ -31,8 +31,8 @@ configuration selects (``--backend fsdp2|deepspeed|fake``, ``--zero_stage``,
 JSONL of ``{"prompt": ..., "answer": <integer>}`` (``--eval-prompts`` for the held-out
 set, else ``--held-out`` problems of ``--prompts`` are kept aside). An evaluation is
 greedy accuracy on the held-out set and, once RL has begun, ``held_out_kl``: the
-policy's KL to the reference on completions it samples for held-out prompts. The run directory
-(``--out``) gets ``metrics.jsonl``, TensorBoard logs (``use_tensorboard``), ``plot.png``
+policy's KL to the reference on completions it samples for held-out prompts. The run
+directory (``--out``) gets ``metrics.jsonl``, TensorBoard logs (``use_tensorboard``), ``plot.png``
 and rotated checkpoints; ``--resume`` continues from the latest checkpoint with the
 same per-step metrics as an uninterrupted run (``--stop-after N`` stops after step N as
 an interruption would). Exit status: 0 when the run finished; 1 when a gain check was
