@@ -361,6 +361,7 @@ class Run:
         ``exp(r) - 1 - r`` (r: reference minus policy log-probability) averaged over
         every rank's completion tokens: the training KL's estimator, on prompts the run
         never trains on."""
+        self.sync()  # (a level-2 sleep after the greedy pass discarded the engine's weights)
         mine = self.held_out[self.replica :: self.replicas][:HELD_OUT_KL_PROBLEMS]
         prompts = [self.prompting.encode(p["prompt"]) for p in mine]
         sampling = SamplingParams(
@@ -897,10 +898,10 @@ def summary(rows: list[dict[str, Any]], opts: argparse.Namespace) -> tuple[str, 
         )
     after, gain = accuracy[after_step], accuracy[after_step] - before
     kl = [r["kl"] for r in rows if "kl" in r]
-    kl_text = f", KL to the reference {kl[-1]:.2g} at the last trained step" if kl else ""
     held_out_kl = [r["held_out_kl"] for r in rows if "held_out_kl" in r]
-    if held_out_kl:
-        kl_text += f", {held_out_kl[-1]:.2g} on held-out prompts"
+    kl_parts = [f"{kl[-1]:.2g} at the last trained step"] if kl else []
+    kl_parts += [f"{held_out_kl[-1]:.2g} on held-out prompts"] if held_out_kl else []
+    kl_text = f", KL to the reference {', '.join(kl_parts)}" if kl_parts else ""
     skipped = sum(1 for r in rows if r.get("skipped"))
     skip_text = f", {skipped} step(s) skipped (no reward signal)" if skipped else ""
     return (

@@ -114,7 +114,7 @@ def test_a_step_without_reward_signal_leaves_every_weight_and_logs_completions(
     result = [line for line in done.stdout.splitlines() if line.startswith("RESULT: ")]
     assert result == [
         "RESULT: held-out accuracy 0.000 at the start -> 0.000 after 2 RL steps (+0.0 points), "
-        "2 step(s) skipped (no reward signal)"
+        "KL to the reference 0 on held-out prompts, 2 step(s) skipped (no reward signal)"
     ], done.stdout
     from safetensors.torch import load_file
 
