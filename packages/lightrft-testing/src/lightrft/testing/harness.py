@@ -232,6 +232,13 @@ def assert_states_close(
             raise AssertionError(f"{name}: {exc}") from None
 
 
+def _threads_and_cores() -> tuple[int, list[int]]:
+    """torch's intra-op threads and the CPUs this process may run on (none listed where
+    the platform cannot say, as macOS)."""
+    affinity = getattr(os, "sched_getaffinity", None)
+    return torch.get_num_threads(), sorted(affinity(0)) if affinity else []
+
+
 def train_sync_generate(
     cfg: dict[str, Any], model_dir: str, engine_type: str = "hf"
 ) -> dict[str, Any]:
@@ -261,11 +268,11 @@ def train_sync_generate(
         model, None, None, None, None, 10
     )
     rank = strategy.get_rank()
-    threads = (torch.get_num_threads(), sorted(os.sched_getaffinity(0)))
+    threads = _threads_and_cores()
     engine = strategy.setup_inference_engine(None, engine_type, actor=None)
     # the trainer's threads and cores are its own: an engine built in the same process
     # must leave them (vLLM's CPU worker sets up OpenMP thread binding as it starts)
-    threads_kept = (torch.get_num_threads(), sorted(os.sched_getaffinity(0))) == threads
+    threads_kept = _threads_and_cores() == threads
     greedy = SamplingParams(max_new_tokens=6, temperature=0)
     prompts = [[5, 17, 99, 3], [42], [7, 7, 7, 7, 7]] if rank == 0 else [[11, 12]]
     before = strategy.gather_and_generate(prompts, greedy)
